@@ -1,0 +1,130 @@
+"""Multi-head Latent Attention (MLA): projections, the latent cache write, and two attention paths.
+
+Shapes for DeepSeek-V2-Lite (H = 2048 hidden, h = 16 heads, T packed tokens):
+
+* queries ``q [T, h, 192] = [q_nope 128 | q_pe 64]`` from ``q_proj`` (or ``q_b(norm(q_a(x)))``);
+* ``kv_a_proj_with_mqa(x) [T, 576] = [latent 512 | k_pe 64]``; the latent is RMS-normalised,
+  ``k_pe`` is one rotary key shared by all heads; both are cached (576 values per token);
+* ``kv_b_proj`` decompresses a latent to per-head ``[k_nope 128 | v 128]``: its weight, viewed as
+  ``[h, 256, 512]``, splits into ``W_k [h, 128, 512]`` and ``W_v [h, 128, 512]``.
+
+Prefill decompresses the cached latents and runs ordinary causal attention. Decode uses the
+identities ``q_nope · (W_k c) = (W_kᵀ q_nope) · c`` and ``Σ a_t W_v c_t = W_v Σ a_t c_t`` to attend
+directly over the 576-wide cache rows.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .kv_cache import SequenceBatch
+from .norm import RMSNorm
+from .rope import apply_rope
+from .weights import Linear, upcast
+
+
+def write_latent_cache(cache: torch.Tensor, batch: SequenceBatch, rows: torch.Tensor) -> None:
+    """Store packed ``rows [T, row_dim]`` at each token's (slot, position) of ``cache [S, L, row_dim]``."""
+    offset = 0
+    for slot, start, n in zip(batch.slots, batch.starts, batch.lens):
+        cache[slot, start : start + n] = rows[offset : offset + n]
+        offset += n
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Softmax attention (fp32 or wider) for one sequence: ``q [n, h, dq]`` (positions start..start+n-1)
+    over ``k [start+n, h, dq]``, ``v [start+n, h, dv]`` -> ``[n, h, dv]``; query i sees keys ≤ start+i."""
+    n, m = q.shape[0], k.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", upcast(q), upcast(k)) * scale
+    visible = torch.arange(m, device=q.device)[None, :] <= torch.arange(start, start + n, device=q.device)[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), upcast(v))
+
+
+class MLA(nn.Module):
+    """One MLA attention layer (weights named as in the HF checkpoint)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, qk = cfg.num_attention_heads, cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(cfg.hidden_size, h * qk)
+        else:
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * qk)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.cache_row_dim)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size)
+
+    def project_q(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H] -> q [T, h, qk_head_dim]``."""
+        q = self.q_proj(x) if self.cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], self.cfg.num_attention_heads, self.cfg.qk_head_dim)
+
+    def project_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, H] -> (normalised latent [T, kv_lora_rank], k_pe [T, rope_dim])`` (k_pe not yet rotated)."""
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
+        return self.kv_a_layernorm(latent), k_pe
+
+    def split_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_b_proj.weight`` as ``W_k [h, qk_nope, kv_lora]`` and ``W_v [h, v_head, kv_lora]`` (views)."""
+        c = self.cfg
+        w = self.kv_b_proj.weight.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: SequenceBatch, cache: torch.Tensor
+    ) -> torch.Tensor:
+        """``x [T, H]`` -> ``[T, H]``; writes this step's rows into ``cache [S, L, row_dim]`` first."""
+        c = self.cfg
+        q = self.project_q(x)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self.project_latent(x)
+        q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe, cos, sin)
+        write_latent_cache(cache, batch, torch.cat([latent, k_pe], dim=-1))
+        attend = self.decode_attention if batch.decode else self.prefill_attention
+        out = attend(q_nope, q_pe, batch, cache)
+        return self.o_proj(out.to(x.dtype).flatten(1))
+
+    def prefill_attention(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: SequenceBatch, cache: torch.Tensor
+    ) -> torch.Tensor:
+        """Decompress each sequence's cached latents with ``kv_b_proj`` and attend causally: ``[T, h, v_head]``."""
+        c, h = self.cfg, self.cfg.num_attention_heads
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        outs, offset = [], 0
+        for slot, start, n in zip(batch.slots, batch.starts, batch.lens):
+            rows = cache[slot, : start + n]
+            latent, k_pe = rows.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+            kv = self.kv_b_proj(latent).view(-1, h, c.qk_nope_head_dim + c.v_head_dim)
+            k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+            k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, h, -1)], dim=-1)
+            outs.append(causal_attention(q[offset : offset + n], k, v, start, c.softmax_scale))
+            offset += n
+        return torch.cat(outs)
+
+    def decode_attention(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: SequenceBatch, cache: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention on the latent cache with ``W_k``/``W_v`` absorbed (fp32 or wider): ``[T, h, v_head]``.
+
+        ``q_lat = W_kᵀ q_nope [T, h, kv_lora]``; scores against each cached row ``[latent | k_pe]``
+        are ``q_lat · latent + q_pe · k_pe``; the softmax-weighted sum of latents is mapped to each
+        head's value space by ``W_v`` once at the end.
+        """
+        c = self.cfg
+        w_k, w_v = self.split_kv_b()
+        q_lat = torch.einsum("thn,hnc->thc", upcast(q_nope), upcast(w_k))
+        query = torch.cat([q_lat, upcast(q_pe)], dim=-1)  # [T, h, row_dim]: one dot product per cached row
+        outs, offset = [], 0
+        for slot, start, n in zip(batch.slots, batch.starts, batch.lens):
+            rows = upcast(cache[slot, : start + n])[:, None, :].expand(-1, c.num_attention_heads, -1)
+            latents = rows[..., : c.kv_lora_rank]
+            outs.append(causal_attention(query[offset : offset + n], rows, latents, start, c.softmax_scale))
+            offset += n
+        out_lat = torch.cat(outs)  # [T, h, kv_lora]
+        return torch.einsum("thc,hvc->thv", out_lat, upcast(w_v))

@@ -1,0 +1,77 @@
+"""The DeepSeek-V2 model: embedding, pre-norm decoder layers (MLA + dense MLP or MoE), final norm, LM head.
+
+Parameter names equal the HF checkpoint's (``model.layers.3.self_attn.kv_b_proj.weight``), except
+that routed experts are stacked per layer (``model.layers.3.mlp.experts.gate_proj [E, I, H]``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .kv_cache import LatentCache, SequenceBatch
+from .mla import MLA
+from .mlp import MLP
+from .moe import MoE
+from .norm import RMSNorm
+from .rope import rope_cos_sin
+from .weights import Embedding, Linear
+
+
+class DecoderLayer(nn.Module):
+    """``x + attn(norm(x))``, then ``x + ffn(norm(x))``; ffn is a dense MLP or a MoE."""
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLA(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, batch: SequenceBatch, cache: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Everything but the LM head (HF's ``model.*``)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV2(nn.Module):
+    """The whole model. ``forward`` maps packed token ids to final hidden states, updating the cache."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """``[vocab, H]``; the embedding matrix itself when ``tie_word_embeddings``."""
+        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: SequenceBatch, cache: LatentCache) -> torch.Tensor:
+        """``input_ids [T]`` (packed as ``batch`` describes) -> final-normed hidden ``[T, H]``."""
+        if input_ids.shape != (batch.num_tokens,):
+            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}, the batch describes {batch.num_tokens} tokens")
+        cache.check_fits(batch)
+        cos, sin = rope_cos_sin(self.cfg, batch.positions(input_ids.device))
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, batch, cache.layer(i))
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [T, H] -> logits [T, vocab]`` in fp32."""
+        return F.linear(hidden, self.lm_head_weight).float()

@@ -1,0 +1,79 @@
+"""Sampling parameters and the choice of the next token from a row of logits."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    ``temperature == 0`` is greedy (argmax). Otherwise logits are divided by the temperature, cut to
+    the ``top_k`` most likely tokens (0: no cut) and to the smallest set whose probability reaches
+    ``top_p`` (1: no cut), renormalised and sampled with a generator seeded by ``seed``
+    (``None``: drawn from torch's global RNG, so not reproducible).
+    Generation stops after ``max_tokens`` tokens, at EOS (unless ``ignore_eos``) or at any of ``stop_token_ids``.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        def bad(field, want):
+            raise ValueError(f"SamplingParams.{field} must be {want}, got {getattr(self, field)!r}")
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", "an int >= 1")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", "a finite number >= 0")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", "an int >= 0 (0 disables it)")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad("top_p", "a number in (0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", "an int or None")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "a sequence of non-negative ints")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """A fresh RNG for one request (``None`` for greedy, which needs none)."""
+        if self.temperature == 0:
+            return None
+        g = torch.Generator(device=device)
+        g.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        return g
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k and top-p applied to fp32 ``logits [V]``; removed tokens get ``-inf``."""
+    logits = logits.float() / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1:
+        sorted_logits, order = logits.sort(descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cum - sorted_logits.softmax(-1) >= params.top_p  # mass before this token already reaches top_p
+        logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick the next token id from ``logits [V]``."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    probs = filter_logits(logits, params).softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
