@@ -57,16 +57,18 @@ def checkpoint_files(directory: str | Path) -> dict[str, Path]:
 
 def _files_from_index(index: Path) -> dict[str, Path]:
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index}: not a valid safetensors index (need a JSON object with 'weight_map'): {e}") from None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names")
     root = index.parent.resolve()
     out = {}
     for name, shard in weight_map.items():
-        path = (root / str(shard)).resolve()
-        if not isinstance(shard, str) or Path(shard).is_absolute() or root not in path.parents:
+        if not isinstance(shard, str) or "\0" in shard:
+            raise CheckpointError(f"{index}: tensor '{name}' points to {shard!r}, which is not a file name")
+        path = (root / shard).resolve()
+        if Path(shard).is_absolute() or root not in path.parents:
             raise CheckpointError(f"{index}: tensor '{name}' points to shard {shard!r}, outside the checkpoint directory")
         if not path.is_file():
             raise CheckpointError(f"{index}: tensor '{name}' is in shard '{shard}', which does not exist")
@@ -103,7 +105,9 @@ def load_checkpoint(model: nn.Module, directory: str | Path, progress: bool | No
         if not _IGNORED.search(name):
             by_file.setdefault(path, []).append(name)
 
-    unexpected = [n for names in by_file.values() for n in names if _target(n)[0] not in params]
+    # the engine's stacked expert names are not checkpoint names: experts come one key each
+    unexpected = [n for names in by_file.values() for n in names
+                  if _target(n)[0] not in params or (_target(n)[1] is None and _STACKED.search(n))]
     if unexpected:
         raise CheckpointError(
             f"{directory}: {len(unexpected)} tensor(s) the model does not have, e.g. "

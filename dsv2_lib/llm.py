@@ -55,9 +55,11 @@ class LLM:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
         if self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
+            raise ValueError(f"max_model_len must be an int >= 2 (a prompt token and a generated one), got {max_model_len!r}")
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = DeepseekV2(self.config)
@@ -71,13 +73,17 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError(f"prompt {index} is text but this checkpoint has no tokenizer.json; pass token ids")
             ids = self.tokenizer.encode(prompt)
-        else:
+        elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
+        else:
+            raise ValueError(f"prompt {index} is {type(prompt).__name__} {prompt!r}; a prompt is text or a list of token ids")
         if not ids:
             raise ValueError(f"prompt {index} is empty")
         vocab = self.config.vocab_size
         for pos, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise ValueError(f"prompt {index}: token {pos} is {t!r}, not an int (a prompt is text or a list of ints)")
+            if not 0 <= t < vocab:
                 raise ValueError(f"prompt {index}: token {pos} is {t!r}, outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -100,10 +106,12 @@ class LLM:
         """Generate for every prompt (text or token ids), all decoded together one token per step."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params  # not `or`: an empty list is a mismatch
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
+        if not prompts:
+            return []
         ids = [self._token_ids(p, i) for i, p in enumerate(prompts)]
         limits = [min(len(i) + p.max_tokens, self.max_model_len) for i, p in zip(ids, plist)]
         cache = LatentCache(self.config, len(ids), max(limits), self.dtype, self.device)

@@ -32,17 +32,21 @@ class SamplingParams:
 
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "an int >= 1")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             bad("temperature", "a finite number >= 0")
         if not _is_int(self.top_k) or self.top_k < 0:
             bad("top_k", "an int >= 0 (0 disables it)")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "a number in (0, 1]")
         if self.seed is not None and not _is_int(self.seed):
             bad("seed", "an int or None")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        try:
+            stop = tuple(self.stop_token_ids)  # once: a generator can be iterated only once
+        except TypeError:
+            stop = None
+        if stop is None or not all(_is_int(t) and t >= 0 for t in stop):
             bad("stop_token_ids", "a sequence of non-negative ints")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", stop)
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """A fresh RNG for one request (``None`` for greedy, which needs none)."""
@@ -55,6 +59,10 @@ class SamplingParams:
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -4,11 +4,13 @@ Both load the same safetensors files (Hub layout and Hub config form). Run on th
 ``pytest -m gpu tests/test_gpu_full_size.py -s``; set ``DSV2_RESULTS_DIR`` to also write the
 measured numbers as JSON. The checkpoint (31 GB) goes to ``DSV2_FULL_SIZE_DIR`` or a temp dir.
 
-Tolerance: bf16 storage with fp32 accumulation in both engines, but in different places (our
-attention and expert sum accumulate in fp32, transformers' SDPA and ``index_add_`` in bf16), so
-after 27 layers the logits differ by a few bf16 ulps of the hidden state. We bound the relative
-error of the logits by 3e-2 and require the same argmax at >= 99 % of positions, and report
-both engines' distance to an fp32 run of transformers so the reader sees who is closer.
+In fp32 the two engines differ only in summation order, so logits must agree to ~1e-5 and the
+argmax at >= 99 % of positions. In bf16 every rounding of 27 layers' residual stream compounds: on
+random weights transformers' bf16 logits are ~4 % (relative) from its own fp32 logits and pick a
+different top-1 token at ~9 % of positions (measured on the H200, see the issue note). Two bf16
+engines that round in different places (our attention and expert sums accumulate in fp32, SDPA
+and ``index_add_`` in bf16) can therefore not agree better than that noise floor; the bf16 test
+holds both against the fp32 logits instead, and ours must be at least as accurate.
 """
 import gc
 import json
@@ -45,58 +47,89 @@ def checkpoint(tmp_path_factory) -> Path:
     return path
 
 
-def hf_logits(path, ids, dtype):
+IDS = torch.randint(0, DEEPSEEK_V2_LITE.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def free_gpu():
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def hf_logits(path, dtype) -> tuple[torch.Tensor, float]:
+    """transformers' prefill logits for IDS ``[512, vocab]`` (fp32, on the GPU) and its load time."""
     from transformers import DeepseekV2ForCausalLM
 
     t0 = time.perf_counter()
     model = DeepseekV2ForCausalLM.from_pretrained(path, dtype=dtype, device_map="cuda").eval()
     load_s = time.perf_counter() - t0
     with torch.no_grad():
-        logits = model(torch.tensor([ids], device="cuda")).logits[0].float()
+        logits = model(torch.tensor([IDS], device="cuda")).logits[0].float()
     del model
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_gpu()
     return logits, load_s
 
 
-def test_full_size_bf16_prefill_logits_match_transformers(checkpoint):
-    ids = torch.randint(0, DEEPSEEK_V2_LITE.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()
-    hf_bf16, hf_load_s = hf_logits(checkpoint, ids, torch.bfloat16)
-
+def our_logits(path, dtype: str) -> tuple[torch.Tensor, float]:
     t0 = time.perf_counter()
-    llm = LLM(checkpoint, device="cuda", dtype="bfloat16")
-    our_load_s = time.perf_counter() - t0
+    llm = LLM(path, device="cuda", dtype=dtype)
+    load_s = time.perf_counter() - t0
     assert llm.config == DEEPSEEK_V2_LITE
-    ours = llm.logits(ids).cuda()
+    logits = llm.logits(IDS).cuda()
     del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-    hf_fp32, _ = hf_logits(checkpoint, ids, torch.float32)
+    free_gpu()
+    return logits, load_s
 
-    def rel(a, b):
-        return ((a - b).norm() / b.norm()).item()
 
-    def top1(a, b):
-        return (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+def rel_err(a, b) -> float:
+    return ((a - b).norm() / b.norm()).item()
 
-    results = {
-        "positions": len(ids),
-        "rel_err_ours_vs_hf_bf16": rel(ours, hf_bf16),
-        "max_abs_ours_vs_hf_bf16": (ours - hf_bf16).abs().max().item(),
-        "top1_agree_ours_vs_hf_bf16": top1(ours, hf_bf16),
-        "rel_err_ours_vs_hf_fp32": rel(ours, hf_fp32),
-        "rel_err_hf_bf16_vs_hf_fp32": rel(hf_bf16, hf_fp32),
-        "top1_agree_ours_vs_hf_fp32": top1(ours, hf_fp32),
-        "top1_agree_hf_bf16_vs_hf_fp32": top1(hf_bf16, hf_fp32),
-        "logit_std": hf_fp32.std().item(),
-        "load_s_ours": our_load_s,
-        "load_s_transformers_bf16": hf_load_s,
+
+def top1_agreement(a, b) -> float:
+    return (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+
+
+@pytest.fixture(scope="module")
+def results(checkpoint):
+    """Logits of both engines in fp32 and bf16 on one 512-token prompt, compared; written as JSON."""
+    hf32, hf32_load = hf_logits(checkpoint, torch.float32)
+    ours32, _ = our_logits(checkpoint, "float32")
+    hf16, hf16_load = hf_logits(checkpoint, torch.bfloat16)
+    ours16, ours16_load = our_logits(checkpoint, "bfloat16")
+    r = {
+        "positions": len(IDS),
+        "logit_std": hf32.std().item(),
+        "fp32_rel_err_ours_vs_hf": rel_err(ours32, hf32),
+        "fp32_max_abs_ours_vs_hf": (ours32 - hf32).abs().max().item(),
+        "fp32_top1_agree_ours_vs_hf": top1_agreement(ours32, hf32),
+        "bf16_rel_err_ours_vs_hf_bf16": rel_err(ours16, hf16),
+        "bf16_top1_agree_ours_vs_hf_bf16": top1_agreement(ours16, hf16),
+        "bf16_rel_err_ours_vs_fp32": rel_err(ours16, hf32),
+        "bf16_rel_err_hf_vs_fp32": rel_err(hf16, hf32),
+        "bf16_top1_agree_ours_vs_fp32": top1_agreement(ours16, hf32),
+        "bf16_top1_agree_hf_vs_fp32": top1_agreement(hf16, hf32),
+        "load_s_ours_bf16": ours16_load,
+        "load_s_transformers_bf16": hf16_load,
+        "load_s_transformers_fp32": hf32_load,
     }
-    print(json.dumps(results, indent=2))
+    print(json.dumps(r, indent=2))
     if os.environ.get("DSV2_RESULTS_DIR"):
-        Path(os.environ["DSV2_RESULTS_DIR"], "full_size_parity.json").write_text(json.dumps(results, indent=2))
-    assert results["rel_err_ours_vs_hf_bf16"] < 3e-2
-    assert results["top1_agree_ours_vs_hf_bf16"] >= 0.99
+        Path(os.environ["DSV2_RESULTS_DIR"], "full_size_parity.json").write_text(json.dumps(r, indent=2))
+    return r
+
+
+def test_full_size_fp32_logits_match_transformers(results):
+    """Same architecture at full size: in fp32 only summation order differs."""
+    assert results["fp32_rel_err_ours_vs_hf"] < 1e-4
+    assert results["fp32_top1_agree_ours_vs_hf"] >= 0.99
+
+
+def test_full_size_bf16_is_as_accurate_as_transformers_bf16(results):
+    """bf16 vs bf16 top-1 agreement is capped by bf16 itself on random weights (transformers' own bf16
+    agrees with its fp32 at ~91 % of positions), so both bf16 runs are held against the fp32 logits:
+    ours must be at least as close as transformers' (2 % slack on the error, 1 point on top-1)."""
+    assert results["bf16_rel_err_ours_vs_fp32"] <= 1.02 * results["bf16_rel_err_hf_vs_fp32"]
+    assert results["bf16_top1_agree_ours_vs_fp32"] >= results["bf16_top1_agree_hf_vs_fp32"] - 0.01
+    assert results["bf16_rel_err_ours_vs_hf_bf16"] < 6e-2  # two independent bf16 roundings of a ~4 % noise floor
 
 
 def test_tiny_on_gpu_fp32_matches_cpu():

@@ -1,0 +1,367 @@
+"""config.json parsing: both forms of DeepSeek-V2-Lite's config, derived sizes, and bad input.
+
+Every error must be a ConfigError whose message names the file and the field at fault.
+"""
+import copy
+import dataclasses
+import json
+import re
+
+import pytest
+
+from dsv2_lib.config import DEEPSEEK_V2_LITE, TINY, ConfigError, config_from_dict, load_config
+
+# DeepSeek-V2-Lite's config.json exactly as the Hub ships it (deepseek-ai/DeepSeek-V2-Lite), written out
+# literally: the Hub form has rope_theta + rope_scaling {"type": "yarn"}, integers where floats are meant
+# (factor 40, beta_fast 32), null q_lora_rank and many training-only fields the engine must ignore.
+HUB_CONFIG_JSON = """
+{
+  "architectures": [
+    "DeepseekV2ForCausalLM"
+  ],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "auto_map": {
+    "AutoConfig": "configuration_deepseek.DeepseekV2Config",
+    "AutoModel": "modeling_deepseek.DeepseekV2Model",
+    "AutoModelForCausalLM": "modeling_deepseek.DeepseekV2ForCausalLM"
+  },
+  "aux_loss_alpha": 0.001,
+  "bos_token_id": 100000,
+  "eos_token_id": 100001,
+  "first_k_dense_replace": 1,
+  "hidden_act": "silu",
+  "hidden_size": 2048,
+  "initializer_range": 0.02,
+  "intermediate_size": 10944,
+  "kv_lora_rank": 512,
+  "max_position_embeddings": 163840,
+  "model_type": "deepseek_v2",
+  "moe_intermediate_size": 1408,
+  "moe_layer_freq": 1,
+  "n_group": 1,
+  "n_routed_experts": 64,
+  "n_shared_experts": 2,
+  "norm_topk_prob": false,
+  "num_attention_heads": 16,
+  "num_experts_per_tok": 6,
+  "num_hidden_layers": 27,
+  "num_key_value_heads": 16,
+  "pretraining_tp": 1,
+  "q_lora_rank": null,
+  "qk_nope_head_dim": 128,
+  "qk_rope_head_dim": 64,
+  "rms_norm_eps": 1e-06,
+  "rope_scaling": {
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "factor": 40,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+    "original_max_position_embeddings": 4096,
+    "type": "yarn"
+  },
+  "rope_theta": 10000,
+  "routed_scaling_factor": 1.0,
+  "scoring_func": "softmax",
+  "seq_aux": true,
+  "tie_word_embeddings": false,
+  "topk_group": 1,
+  "topk_method": "greedy",
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.39.3",
+  "use_cache": true,
+  "v_head_dim": 128,
+  "vocab_size": 102400
+}
+"""
+
+
+@pytest.fixture
+def hub() -> dict:
+    return json.loads(HUB_CONFIG_JSON)
+
+
+def write(tmp_path, raw) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(raw if isinstance(raw, str) else json.dumps(raw))
+    return str(path)
+
+
+def err(path: str, *parts: str) -> str:
+    """A regex matching a message that contains the file path and then every part, in order."""
+    return re.escape(path) + ".*" + ".*".join(re.escape(p) for p in parts)
+
+
+# ---- the two real forms of V2-Lite's config ------------------------------------------------------
+
+
+def test_hub_config_parses_to_the_preset(tmp_path, hub):
+    cfg = load_config(write(tmp_path, HUB_CONFIG_JSON))
+    assert cfg == DEEPSEEK_V2_LITE
+    # and the directory form finds config.json itself
+    assert load_config(tmp_path) == DEEPSEEK_V2_LITE
+    # the Hub writes ints where floats are meant; they must come out as floats
+    assert isinstance(cfg.rope.factor, float) and isinstance(cfg.rope.theta, float)
+    assert cfg.rope.kind == "yarn" and cfg.rope.factor == 40.0 and cfg.rope.original_max_position_embeddings == 4096
+    assert cfg.eos_token_id == (100001,) and cfg.bos_token_id == 100000
+
+
+def test_transformers5_form_parses_to_the_preset(tmp_path):
+    d = DEEPSEEK_V2_LITE.to_hf_dict()
+    assert "rope_parameters" in d and "rope_scaling" not in d
+    assert load_config(write(tmp_path, d)) == DEEPSEEK_V2_LITE
+
+
+def test_transformers_round_trip_parses_to_the_preset(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    d = transformers.DeepseekV2Config(**DEEPSEEK_V2_LITE.to_hf_dict()).to_dict()
+    assert load_config(write(tmp_path, d)) == DEEPSEEK_V2_LITE
+    # what save_pretrained writes is the same dict; transformers also reads the Hub form
+    hub_cfg = transformers.DeepseekV2Config(**json.loads(HUB_CONFIG_JSON))
+    assert config_from_dict(hub_cfg.to_dict()) == DEEPSEEK_V2_LITE
+
+
+def test_tiny_round_trips_through_to_hf_dict():
+    assert config_from_dict(json.loads(json.dumps(TINY.to_hf_dict()))) == TINY
+
+
+def test_derived_sizes_of_v2_lite():
+    c = DEEPSEEK_V2_LITE
+    assert c.qk_head_dim == 192
+    assert c.cache_row_dim == 576
+    # mscale(40, 0.707)^2 / sqrt(192): YaRN's temperature enters squared
+    assert c.softmax_scale == pytest.approx(0.114721, abs=1e-6)
+    plain = dataclasses.replace(c, rope=dataclasses.replace(c.rope, kind="default"))
+    assert plain.softmax_scale == pytest.approx(192**-0.5)
+    assert [c.is_moe_layer(i) for i in range(3)] == [False, True, True]
+
+
+def test_is_moe_layer_with_first_k_dense_and_freq(hub):
+    hub.update(first_k_dense_replace=3, moe_layer_freq=2, num_hidden_layers=10)
+    cfg = config_from_dict(hub)
+    assert [i for i in range(10) if cfg.is_moe_layer(i)] == [4, 6, 8]
+    hub.update(first_k_dense_replace=0, moe_layer_freq=1)
+    assert all(config_from_dict(hub).is_moe_layer(i) for i in range(10))
+    hub.update(n_routed_experts=None)  # no routed experts: every layer dense
+    assert not any(config_from_dict(hub).is_moe_layer(i) for i in range(10))
+
+
+def test_optional_fields_are_read(hub):
+    hub.update(
+        norm_topk_prob=True,
+        routed_scaling_factor=16,
+        tie_word_embeddings=True,
+        q_lora_rank=1536,
+        topk_method="group_limited_greedy",
+        n_group=8,
+        topk_group=3,
+        rms_norm_eps=1e-5,
+        attention_bias=True,
+        eos_token_id=[100001, 100002],
+    )
+    cfg = config_from_dict(hub)
+    assert cfg.norm_topk_prob is True
+    assert cfg.routed_scaling_factor == 16.0 and isinstance(cfg.routed_scaling_factor, float)
+    assert cfg.tie_word_embeddings is True
+    assert cfg.q_lora_rank == 1536
+    assert (cfg.topk_method, cfg.n_group, cfg.topk_group) == ("group_limited_greedy", 8, 3)
+    assert cfg.rms_norm_eps == 1e-5 and cfg.attention_bias is True
+    assert cfg.eos_token_id == (100001, 100002)
+    # and they survive the round trip through the transformers-5 form
+    assert config_from_dict(json.loads(json.dumps(cfg.to_hf_dict()))) == cfg
+
+
+def test_plain_rope_forms(hub):
+    hub["rope_scaling"] = None
+    hub["rope_theta"] = 500
+    cfg = config_from_dict(hub)
+    assert cfg.rope.kind == "default" and cfg.rope.theta == 500.0
+    del hub["rope_scaling"], hub["rope_theta"]
+    assert config_from_dict(hub).rope.theta == 10000.0
+    hub["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+    assert config_from_dict(hub).rope == dataclasses.replace(cfg.rope, theta=1e6)
+
+
+# ---- errors: each names the file and the field -----------------------------------------------------
+
+
+def test_missing_required_field(tmp_path, hub):
+    del hub["kv_lora_rank"]
+    path = write(tmp_path, hub)
+    with pytest.raises(ConfigError, match=err(path, "missing required field 'kv_lora_rank'")):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "field, value, want",
+    [
+        ("hidden_size", "2048", "str '2048'"),
+        ("hidden_size", 2048.0, "float 2048.0"),
+        ("num_hidden_layers", True, "bool True"),  # a bool is not an int, though Python says it is
+        ("q_lora_rank", "1536", "str"),
+        ("norm_topk_prob", 0, "int 0"),
+        ("routed_scaling_factor", "1.0", "str"),
+        ("tie_word_embeddings", "false", "str"),
+        ("n_group", 1.5, "float"),
+        ("eos_token_id", "100001", "str"),
+    ],
+)
+def test_wrong_typed_field(tmp_path, hub, field, value, want):
+    hub[field] = value
+    path = write(tmp_path, hub)
+    with pytest.raises(ConfigError, match=err(path, f"field '{field}' must be", want)):
+        load_config(path)
+
+
+def test_non_positive_size(tmp_path, hub):
+    hub["num_attention_heads"] = 0
+    hub["num_key_value_heads"] = 0
+    path = write(tmp_path, hub)
+    with pytest.raises(ConfigError, match=err(path, "'num_attention_heads' must be > 0, got 0")):
+        load_config(path)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "deepseek_v3", None])
+def test_unsupported_model_type(tmp_path, hub, model_type):
+    hub["model_type"] = model_type
+    path = write(tmp_path, hub)
+    with pytest.raises(ConfigError, match=err(path, f"unsupported model_type {model_type!r}", "deepseek_v2")):
+        load_config(path)
+
+
+def test_unknown_rope_type(tmp_path, hub):
+    hub["rope_scaling"]["type"] = "dynamic"
+    path = write(tmp_path, hub)
+    with pytest.raises(ConfigError, match=err(path, "rope_scaling.type", "'dynamic'")):
+        load_config(path)
+    d = DEEPSEEK_V2_LITE.to_hf_dict()
+    d["rope_parameters"]["rope_type"] = "longrope"
+    path = write(tmp_path, d)
+    with pytest.raises(ConfigError, match=err(path, "rope_parameters.type", "'longrope'")):
+        load_config(path)
+
+
+@pytest.mark.parametrize("bad", ["yarn", [1, 2], 40])
+def test_rope_scaling_not_an_object(tmp_path, hub, bad):
+    hub["rope_scaling"] = bad
+    path = write(tmp_path, hub)
+    with pytest.raises(ConfigError, match=err(path, "'rope_scaling' must be an object")):
+        load_config(path)
+
+
+@pytest.mark.parametrize("key", ["factor", "original_max_position_embeddings"])
+def test_yarn_missing_field(tmp_path, hub, key):
+    del hub["rope_scaling"][key]
+    path = write(tmp_path, hub)
+    with pytest.raises(ConfigError, match=err(path, f"YaRN needs field 'rope_scaling.{key}'")):
+        load_config(path)
+
+
+def test_yarn_wrong_typed_field(tmp_path, hub):
+    hub["rope_scaling"]["factor"] = "40"
+    path = write(tmp_path, hub)
+    with pytest.raises(ConfigError, match=err(path, "'rope_scaling.factor' must be float", "'40'")):
+        load_config(path)
+
+
+@pytest.mark.parametrize("drop, value", [("n_group", None), ("topk_group", None), ("topk_group", 0)])
+def test_group_limited_greedy_needs_groups(tmp_path, hub, drop, value):
+    hub.update(topk_method="group_limited_greedy", n_group=8, topk_group=3)
+    hub[drop] = value
+    path = write(tmp_path, hub)
+    with pytest.raises(ConfigError, match=err(path, "group_limited_greedy", "'n_group' and 'topk_group'")):
+        load_config(path)
+
+
+@pytest.mark.parametrize("n_group, topk_group", [(7, 3), (8, 9), (32, 2)])
+def test_group_limited_greedy_inconsistent(tmp_path, hub, n_group, topk_group):
+    # 64 experts: 7 groups don't divide them; 9 of 8 groups; 2 groups of 2 experts < 6 experts/token
+    hub.update(topk_method="group_limited_greedy", n_group=n_group, topk_group=topk_group)
+    path = write(tmp_path, hub)
+    with pytest.raises(ConfigError, match=err(path, f"n_group={n_group}", f"topk_group={topk_group}")):
+        load_config(path)
+
+
+def test_unknown_topk_method_and_scoring(tmp_path, hub):
+    bad = dict(hub, topk_method="noaux_tc")
+    path = write(tmp_path, bad)
+    with pytest.raises(ConfigError, match=err(path, "topk_method", "'noaux_tc'")):
+        load_config(path)
+    bad = dict(hub, scoring_func="sigmoid")
+    path = write(tmp_path, bad)
+    with pytest.raises(ConfigError, match=err(path, "scoring_func", "'sigmoid'")):
+        load_config(path)
+    bad = dict(hub, hidden_act="gelu")
+    path = write(tmp_path, bad)
+    with pytest.raises(ConfigError, match=err(path, "hidden_act", "'gelu'")):
+        load_config(path)
+
+
+@pytest.mark.parametrize("k", [0, 65, -1])
+def test_bad_num_experts_per_tok(tmp_path, hub, k):
+    hub["num_experts_per_tok"] = k
+    path = write(tmp_path, hub)
+    with pytest.raises(ConfigError, match=err(path, "num_experts_per_tok", "n_routed_experts=64", f"got {k}")):
+        load_config(path)
+
+
+def test_moe_without_expert_width(tmp_path, hub):
+    del hub["moe_intermediate_size"]
+    path = write(tmp_path, hub)
+    with pytest.raises(ConfigError, match=err(path, "n_routed_experts=64", "'moe_intermediate_size'")):
+        load_config(path)
+
+
+def test_bad_moe_layer_freq(tmp_path, hub):
+    hub["moe_layer_freq"] = 0
+    path = write(tmp_path, hub)
+    with pytest.raises(ConfigError, match=err(path, "moe_layer_freq", "got 0")):
+        load_config(path)
+
+
+def test_kv_heads_must_equal_heads(tmp_path, hub):
+    hub["num_key_value_heads"] = 8
+    path = write(tmp_path, hub)
+    with pytest.raises(ConfigError, match=err(path, "num_key_value_heads", "num_attention_heads", "8 vs 16")):
+        load_config(path)
+
+
+@pytest.mark.parametrize("text", ["{not json", "", "[1, 2", "\x00\x01garbage"])
+def test_non_json_file(tmp_path, text):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=err(path, "not valid JSON")):
+        load_config(path)
+
+
+def test_binary_file(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_bytes(b"\xff\xfe\x00\x89PNG\r\n garbage")
+    with pytest.raises(ConfigError, match=err(str(path), "not valid JSON")):
+        load_config(path)
+
+
+@pytest.mark.parametrize("doc", ["[]", "42", "null", '"deepseek_v2"'])
+def test_json_that_is_not_an_object(tmp_path, doc):
+    path = write(tmp_path, doc)
+    with pytest.raises(ConfigError, match=err(path, "expected a JSON object")):
+        load_config(path)
+
+
+def test_missing_config_json(tmp_path):
+    with pytest.raises(ConfigError, match=err(str(tmp_path / "config.json"), "no config.json")):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match=err(str(tmp_path / "nope.json"), "no config.json")):
+        load_config(tmp_path / "nope.json")
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+    with pytest.raises(ConfigError, match="my-source: missing required field 'vocab_size'"):
+        config_from_dict({k: v for k, v in json.loads(HUB_CONFIG_JSON).items() if k != "vocab_size"}, where="my-source")
+
+
+def test_hub_dict_is_not_mutated(hub):
+    before = copy.deepcopy(hub)
+    config_from_dict(hub)
+    assert hub == before

@@ -1,0 +1,318 @@
+"""The public API: ``LLM(...).generate`` and ``LLM.logits`` on the embedded tiny model and small
+random checkpoints (CPU, float32): text and ids in, tokens and text out, stopping rules, seeds,
+the context limit, and errors that say which prompt and which token is wrong."""
+import dataclasses
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv2_lib import LLM, SamplingParams
+from dsv2_lib.checkpoint import CheckpointError
+from dsv2_lib.config import TINY, ConfigError
+from dsv2_lib.llm import EMBEDDED_MODELS
+from dsv2_lib.random_checkpoint import write_random_checkpoint
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+SMALL = dataclasses.replace(
+    TINY, vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+    n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=64,
+    rope=dataclasses.replace(TINY.rope, original_max_position_embeddings=16),
+)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LLM:
+    return LLM("tiny", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory) -> Path:
+    """A random checkpoint without tokenizer.json."""
+    return write_random_checkpoint(SMALL, tmp_path_factory.mktemp("small"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def small(small_dir) -> LLM:
+    return LLM(small_dir, device="cpu", dtype="float32")
+
+
+def copy_tiny(dest: Path, **config_changes) -> Path:
+    """The embedded tiny model's files in ``dest``, with ``config.json`` fields replaced."""
+    shutil.copytree(EMBEDDED_MODELS["tiny"], dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    cfg.update(config_changes)
+    (dest / "config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+def find_prompt_with_new_token_at_step(llm: LLM, step: int, max_tokens: int = 8):
+    """A prompt whose greedy continuation's token ``step`` (0-based) did not occur before it, and the run."""
+    for start in range(1, 60):
+        prompt = [start, (start * 7) % 500 + 2, (start * 13) % 500 + 2]
+        out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))[0]
+        if out.token_ids[step] not in out.token_ids[:step] and out.token_ids[step] not in llm.config.eos_token_id:
+            return prompt, out
+    pytest.fail("no prompt found whose greedy token at step %d is new" % step)
+
+
+# ---- text in, text out --------------------------------------------------------------------------
+
+
+def test_text_in_text_out(tiny):
+    outs = tiny.generate("To be, or not", GREEDY)  # a single string: one request
+    assert len(outs) == 1
+    out = outs[0]
+    assert out.prompt_token_ids == tiny.tokenizer.encode("To be, or not")
+    assert out.prompt_token_ids[0] == TINY.bos_token_id  # the tokenizer adds BOS
+    assert len(out.token_ids) == 8 and all(0 <= t < TINY.vocab_size for t in out.token_ids)
+    assert isinstance(out.text, str)
+    assert out.text == tiny.tokenizer.decode(out.token_ids)
+    assert out.finish_reason == "length"
+
+
+def test_mixed_text_and_id_prompts_equal_separate_runs(tiny):
+    prompts = ["Hello", [5, 17, 42], "def f(x):\n    return", [300, 2, 9, 100, 7]]
+    together = tiny.generate(prompts, GREEDY)
+    assert len(together) == len(prompts)
+    for prompt, out in zip(prompts, together):
+        alone = tiny.generate(prompt, GREEDY)[0]
+        assert out.prompt_token_ids == alone.prompt_token_ids
+        assert out.token_ids == alone.token_ids, prompt
+        assert out.text == tiny.tokenizer.decode(out.token_ids)
+    assert together[1].prompt_token_ids == [5, 17, 42]
+
+
+def test_single_id_list_is_one_prompt(tiny):
+    out = tiny.generate([5, 17, 42], GREEDY)
+    assert len(out) == 1 and out[0].prompt_token_ids == [5, 17, 42]
+    assert tiny.generate([], GREEDY) == []  # no prompts, no outputs
+
+
+def test_default_params(tiny):
+    out = tiny.generate("x")[0]
+    assert len(out.token_ids) == SamplingParams().max_tokens and out.finish_reason == "length"
+
+
+def test_greedy_is_deterministic_and_the_first_token_is_the_logits_argmax(tiny):
+    ids = tiny.tokenizer.encode("import os")
+    a = tiny.generate(ids, GREEDY)[0].token_ids
+    assert tiny.generate(ids, GREEDY)[0].token_ids == a
+    logits = tiny.logits(ids)
+    assert logits.dtype == torch.float32 and logits.device.type == "cpu"
+    assert logits.shape == (len(ids), TINY.vocab_size)
+    assert int(logits[-1].argmax()) == a[0]
+    # the decode path (latent cache, absorbed weights) agrees with a fresh prefill of the longer prompt
+    assert int(tiny.logits(ids + a[:3])[-1].argmax()) == a[3]
+
+
+def test_logits_of_text_and_ids_agree(tiny):
+    ids = tiny.tokenizer.encode("Hello")
+    assert torch.equal(tiny.logits("Hello"), tiny.logits(ids))
+    # causal: a prefix's logits are the first rows of the longer prompt's
+    long = tiny.logits(ids + [5, 6, 7])
+    assert torch.allclose(long[: len(ids)], tiny.logits(ids), atol=1e-5)
+
+
+def test_no_tokenizer_means_no_text(small):
+    assert small.tokenizer is None
+    out = small.generate([[3, 4, 5], [9]], GREEDY)
+    assert [o.text for o in out] == [None, None]
+    assert all(len(o.token_ids) == 8 and all(0 <= t < SMALL.vocab_size for t in o.token_ids) for o in out)
+    logits = small.logits([3, 4, 5])
+    assert logits.shape == (3, SMALL.vocab_size) and int(logits[-1].argmax()) == out[0].token_ids[0]
+
+
+def test_bfloat16_model_runs():
+    llm = LLM("tiny", device="cpu", dtype=torch.bfloat16)
+    assert llm.dtype == torch.bfloat16
+    logits = llm.logits([5, 17, 42])
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    assert len(llm.generate([5, 17, 42], GREEDY)[0].token_ids) == 8
+
+
+# ---- stopping -----------------------------------------------------------------------------------
+
+
+def test_finish_length_at_max_tokens(tiny):
+    for n in (1, 3, 11):
+        out = tiny.generate([5, 17, 42], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
+        assert len(out.token_ids) == n and out.finish_reason == "length"
+
+
+def test_stop_token_ids_stop_generation(tiny):
+    prompt, full = find_prompt_with_new_token_at_step(tiny, 3)
+    stop = full.token_ids[3]
+    out = tiny.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[:4] and out.token_ids[-1] == stop
+    # in a batch, only the request with the stop id stops early
+    both = tiny.generate([prompt, prompt], [SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop]),
+                                            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)])
+    assert both[0].token_ids == out.token_ids and both[0].finish_reason == "stop"
+    assert both[1].token_ids == full.token_ids and both[1].finish_reason == "length"
+
+
+def test_stop_token_on_the_last_allowed_step_is_stop(tiny):
+    prompt, full = find_prompt_with_new_token_at_step(tiny, 3)
+    out = tiny.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=[full.token_ids[3]]))[0]
+    assert out.token_ids == full.token_ids[:4] and out.finish_reason == "stop"
+
+
+def test_eos_stops_unless_ignore_eos(tiny, tmp_path):
+    """A copy of the tiny model whose config declares as EOS the token greedy produces at step 3."""
+    prompt, full = find_prompt_with_new_token_at_step(tiny, 3)
+    eos = full.token_ids[3]
+    llm = LLM(copy_tiny(tmp_path / "m", eos_token_id=eos), device="cpu", dtype="float32")
+    assert llm.config.eos_token_id == (eos,)
+    out = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert out.token_ids == full.token_ids[:4] and out.finish_reason == "stop"
+    out = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == full.token_ids and out.finish_reason == "length"
+    # ignore_eos does not disable explicit stop ids
+    out = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=[eos]))[0]
+    assert out.token_ids == full.token_ids[:4] and out.finish_reason == "stop"
+
+
+def test_eos_list_in_config(tiny, tmp_path):
+    prompt, full = find_prompt_with_new_token_at_step(tiny, 2)
+    llm = LLM(copy_tiny(tmp_path / "m", eos_token_id=[TINY.eos_token_id[0], full.token_ids[2]]), device="cpu")
+    out = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert out.token_ids == full.token_ids[:3] and out.finish_reason == "stop"
+
+
+# ---- seeds --------------------------------------------------------------------------------------
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    prompts = ["Hello", [5, 17, 42]]
+    a = tiny.generate(prompts, SamplingParams(max_tokens=24, temperature=1.0, seed=123, ignore_eos=True))
+    b = tiny.generate(prompts, SamplingParams(max_tokens=24, temperature=1.0, seed=123, ignore_eos=True))
+    c = tiny.generate(prompts, SamplingParams(max_tokens=24, temperature=1.0, seed=124, ignore_eos=True))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.token_ids for o in a] != [o.token_ids for o in c]
+    greedy = tiny.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in a] != [o.token_ids for o in greedy]  # really sampled
+    # each request has its own generator: its tokens do not depend on the other requests in the batch
+    alone = tiny.generate([prompts[1]], SamplingParams(max_tokens=24, temperature=1.0, seed=123, ignore_eos=True))
+    assert alone[0].token_ids == a[1].token_ids
+
+
+# ---- the context limit --------------------------------------------------------------------------
+
+
+def test_max_model_len_caps_generation():
+    llm = LLM("tiny", device="cpu", max_model_len=10)
+    out = llm.generate([[5, 6, 7, 8, 9, 10, 11], [5, 6]], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 3 and out[0].finish_reason == "length"  # 7 + 3 = 10
+    assert len(out[1].token_ids) == 8 and out[1].finish_reason == "length"
+    assert len(llm.generate([1] * 9, SamplingParams(max_tokens=5, temperature=0.0))[0].token_ids) == 1
+    with pytest.raises(ValueError, match=r"prompt 0 has 10 tokens; the context holds 10"):
+        llm.generate([1] * 10, GREEDY)
+
+
+def test_default_context_is_max_position_embeddings(small):
+    assert small.max_model_len == SMALL.max_position_embeddings
+    out = small.generate([1] * 60, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+def test_prompt_longer_than_the_context(tiny):
+    too_long = [7] * (tiny.max_model_len + 5)
+    with pytest.raises(ValueError, match=rf"prompt 1 has {len(too_long)} tokens; the context holds {tiny.max_model_len}"):
+        tiny.generate([[1, 2], too_long], GREEDY)
+    with pytest.raises(ValueError, match=rf"prompt 0 has {len(too_long)} tokens; the context holds {tiny.max_model_len}"):
+        tiny.logits(too_long)
+
+
+def test_empty_prompt(tiny):
+    with pytest.raises(ValueError, match=r"prompt 0 is empty"):
+        tiny.generate([[]], GREEDY)
+    with pytest.raises(ValueError, match=r"prompt 2 is empty"):
+        tiny.generate(["a", [4], []], GREEDY)
+    with pytest.raises(ValueError, match=r"prompt 0 is empty"):
+        tiny.logits([])
+
+
+@pytest.mark.parametrize("bad, pos", [(-1, 0), (TINY.vocab_size, 2), (10**9, 1)])
+def test_token_out_of_vocab(tiny, bad, pos):
+    prompt = [3, 4, 5]
+    prompt[pos] = bad
+    with pytest.raises(ValueError, match=re.escape(f"prompt 1: token {pos} is {bad}, outside the vocabulary [0, {TINY.vocab_size})")):
+        tiny.generate([[1, 2], prompt], GREEDY)
+    with pytest.raises(ValueError, match=re.escape(f"prompt 0: token {pos} is {bad}, outside the vocabulary")):
+        tiny.logits(prompt)
+
+
+@pytest.mark.parametrize("bad", [2.0, True, "5", None])
+def test_token_not_an_int(tiny, bad):
+    with pytest.raises(ValueError, match=re.escape(f"prompt 1: token 1 is {bad!r}, not an int")):
+        tiny.generate([[1], [3, bad]], GREEDY)
+
+
+@pytest.mark.parametrize("prompts", [[[1, 2], 7], [5, 3.0], [None]])
+def test_prompt_neither_text_nor_ids(tiny, prompts):
+    with pytest.raises(ValueError, match=r"prompt \d is .*a prompt is text or a list of token ids"):
+        tiny.generate(prompts, GREEDY)
+
+
+def test_text_prompt_without_tokenizer(small):
+    with pytest.raises(ValueError, match=r"prompt 1 is text but this checkpoint has no tokenizer\.json"):
+        small.generate([[1, 2], "hello"], GREEDY)
+    with pytest.raises(ValueError, match=r"prompt 0 is text but this checkpoint has no tokenizer\.json"):
+        small.logits("hello")
+
+
+@pytest.mark.parametrize("n_params", [0, 1, 3])
+def test_params_list_length_mismatch(tiny, n_params):
+    with pytest.raises(ValueError, match=rf"got 2 prompts but {n_params} SamplingParams"):
+        tiny.generate(["a", "b"], [GREEDY] * n_params)
+
+
+def test_unknown_model_name_or_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"model 'huge': not an embedded model \(tiny\) nor a directory"):
+        LLM("huge", device="cpu")
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match=re.escape(repr(str(missing))) + ": not an embedded model"):
+        LLM(missing, device="cpu")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ConfigError, match=re.escape(str(tmp_path / "config.json")) + ": no config.json"):
+        LLM(tmp_path, device="cpu")
+
+
+def test_directory_with_a_bad_checkpoint(small_dir, tmp_path):
+    d = tmp_path / "bad"
+    shutil.copytree(small_dir, d)
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1])
+    with pytest.raises(CheckpointError, match=re.escape(str(f))):
+        LLM(d, device="cpu")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float64", "bf16", "fp32", "nn", "", torch.int32, torch.float64])
+def test_unsupported_dtype(small_dir, dtype):
+    with pytest.raises(ValueError, match=r"dtype must be float32, float16 or bfloat16, got " + re.escape(repr(dtype))):
+        LLM(small_dir, device="cpu", dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", torch.float16])
+def test_supported_dtypes(small_dir, dtype):
+    llm = LLM(small_dir, device="cpu", dtype=dtype)
+    want = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    assert llm.dtype == want and llm.model.model.embed_tokens.weight.dtype == want
+    assert llm.model.model.layers[1].mlp.gate.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("bad", [0, 1, -5, 2.5])
+def test_invalid_max_model_len(bad):
+    with pytest.raises(ValueError, match=rf"max_model_len must be an int >= 2 .*got {bad}"):
+        LLM("tiny", device="cpu", max_model_len=bad)
