@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 DISK_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 _EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

@@ -146,7 +146,7 @@ def kv_cache_values_per_token_per_layer(
 def kv_cache_bytes_per_token(
     cfg: ModelConfig, scheme: str = "mla", bytes_per_value: int = 2, groups: int = 4
 ) -> int:
-    """Bytes one token takes in the cache over all layers (V2-Lite, MLA, bf16: 31,104)."""
+    """Cache bytes per token over all layers (V2-Lite, MLA, bf16: 31,104)."""
     per_layer = kv_cache_values_per_token_per_layer(cfg, scheme, groups)
     return cfg.num_hidden_layers * per_layer * bytes_per_value
 

@@ -60,7 +60,7 @@ def show_source(obj) -> Listing:
     """The source of a function, class, method or module as a :class:`Listing`.
 
     Decorated functions are unwrapped (``inspect.unwrap``), so the code shown is the
-    code that runs. Raises ``TypeError`` for objects without Python source (builtins, C).
+    code that runs. Raises ``TypeError`` for objects without Python source.
     """
     obj = inspect.unwrap(obj)
     try:
@@ -80,13 +80,13 @@ def show_source(obj) -> Listing:
 
 
 def show_kernel(name: str) -> Listing:
-    """The CUDA C file ``kernels_cu/<name>`` (e.g. ``"rmsnorm.cu"``) as a :class:`Listing`.
+    """The CUDA C file ``kernels_cu/<name>`` (``"rmsnorm.cu"``) as a :class:`Listing`.
 
     ``name`` is a bare file name ending in ``.cu`` or ``.cuh``; anything else, or a file
     that does not exist, raises an error that lists the kernels available.
     """
     if Path(name).name != name or not name.endswith((".cu", ".cuh")):
-        raise ValueError(f"show_kernel: expected a name like 'rmsnorm.cu', got {name!r}")
+        raise ValueError(f"show_kernel: want a name like 'rmsnorm.cu', got {name!r}")
     path = KERNELS_DIR / name
     if not path.is_file():
         kernels = sorted(p.name for p in KERNELS_DIR.glob("*.cu*"))
