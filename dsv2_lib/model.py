@@ -20,7 +20,11 @@ from .weights import Embedding, Linear
 
 
 class DecoderLayer(nn.Module):
-    """``x + attn(norm(x))``, then ``x + ffn(norm(x))``; ffn is a dense MLP or a MoE."""
+    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + ffn(norm(x))``; ffn is a dense MLP or a MoE.
+
+    The residual stream travels separately from the block outputs so that each add is fused into
+    the RMSNorm after it: the layer takes ``(out, residual)`` of the previous block and returns its own.
+    """
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
@@ -29,9 +33,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, batch: SequenceBatch, cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, out, residual, cos, sin, batch: SequenceBatch, cache: torch.Tensor):
+        """``out [T, H]`` (previous block's output), ``residual [T, H]`` (None before layer 0)."""
+        if residual is None:
+            h, residual = self.input_layernorm(out), out
+        else:
+            h, residual = self.input_layernorm(out, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, batch, cache), residual)
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
@@ -66,10 +75,10 @@ class DeepseekV2(nn.Module):
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}, the batch describes {batch.num_tokens} tokens")
         cache.check_fits(batch)
         cos, sin = rope_cos_sin(self.cfg, batch.positions(input_ids.device))
-        x = self.model.embed_tokens(input_ids)
+        out, residual = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, batch, cache.layer(i))
-        return self.model.norm(x)
+            out, residual = layer(out, residual, cos, sin, batch, cache.layer(i))
+        return self.model.norm(out, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,21 +1,101 @@
-"""RMSNorm: ``y = x / sqrt(mean(x²) + eps) * weight``, reduced in fp32.
+"""RMSNorm: ``y = x / sqrt(mean(x²) + eps) * weight``, reduced in fp32; and its fusion with the
+residual add in front of it.
 
 The normalised value is rounded to the input dtype *before* the weight multiplies it, exactly as
-transformers' ``DeepseekV2RMSNorm`` does, so bf16 results match the oracle bit for bit on the CPU.
+transformers' ``DeepseekV2RMSNorm`` does, so bf16 results match the oracle on the CPU. The
+CUDA kernels (``kernels_cu/rmsnorm.cu``) follow the same rounding.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
+from . import kernels
+from .kernels import CUDA_TYPE
 from .weights import empty_param, upcast
 
+ROW_VECS = 4  # 16-byte vectors each thread keeps in registers (kernels_cu/rmsnorm.cu)
+RMSNORM_CU = kernels.declare(
+    "rmsnorm.cu",
+    [f"{k}<{t}, {v}>" for k in ("rms_norm", "fused_add_rms_norm") for t in CUDA_TYPE.values() for v in ("true", "false")],
+)
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS-normalise the last dimension of ``x [..., d]`` and scale by ``weight [d]``."""
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS-normalise the last dimension of ``x [..., d]`` and scale by ``weight [d]`` (PyTorch)."""
     xf = upcast(x)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual = residual + x``; returns ``(rms_norm(residual), residual)`` (PyTorch, out of place)."""
+    residual = residual + x
+    return rms_norm_reference(residual, weight, eps), residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x [..., d]``: the CUDA kernel for CUDA tensors, else the reference."""
+    if not kernels.use_kernels(x):
+        return rms_norm_reference(x, weight, eps)
+    d = x.shape[-1]
+    if x.numel() == 0:  # no rows, or rows of width 0: nothing to launch
+        return torch.empty_like(x)
+    kernels.check(weight, "rms_norm weight", dtype=x.dtype, shape=(d,), device=x.device)
+    rows = x.reshape(-1, d)  # a view when possible: a 2-D slice like latent = kv[:, :512] keeps its row stride
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    kernels.check(rows, "rms_norm input", contiguous=False)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    vec = _vectorizable(rows.stride(0), x.dtype) and _use_vectors(d, x.dtype, rows, weight)
+    kernel = RMSNORM_CU.function(f"rms_norm<{CUDA_TYPE[x.dtype]}, {str(vec).lower()}>", x.device)
+    kernels.launch(kernel, (rows.shape[0],), (_threads(d, x.dtype, vec),),
+                   (kernels.ptr(out), kernels.ptr(rows), kernels.ptr(weight), np.int32(d),
+                    np.int64(rows.stride(0)), np.float32(eps)))
+    return out.view(x.shape)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual += x`` then ``rms_norm(residual)``: one pass instead of two.
+
+    Returns ``(normed, residual)``; the kernel updates ``residual`` in place, the reference does not.
+    """
+    if not kernels.use_kernels(x):
+        return fused_add_rms_norm_reference(x, residual, weight, eps)
+    d = x.shape[-1]
+    kernels.check(x, "fused_add_rms_norm x")
+    kernels.check(residual, "fused_add_rms_norm residual", dtype=x.dtype, shape=tuple(x.shape), device=x.device)
+    kernels.check(weight, "fused_add_rms_norm weight", dtype=x.dtype, shape=(d,), device=x.device)
+    if x.numel() == 0:
+        return torch.empty_like(x), residual
+    if residual.data_ptr() == x.data_ptr():
+        raise ValueError("fused_add_rms_norm: x and residual are the same tensor; the kernel reads x while writing residual")
+    out = torch.empty_like(x)
+    vec = _use_vectors(d, x.dtype, x, residual, weight)
+    kernel = RMSNORM_CU.function(f"fused_add_rms_norm<{CUDA_TYPE[x.dtype]}, {str(vec).lower()}>", x.device)
+    kernels.launch(kernel, (x.numel() // d,), (_threads(d, x.dtype, vec),),
+                   (kernels.ptr(out), kernels.ptr(residual), kernels.ptr(x), kernels.ptr(weight),
+                    np.int32(d), np.float32(eps)))
+    return out, residual
+
+
+def _vectorizable(n: int, dtype: torch.dtype) -> bool:
+    """``n`` elements make whole 16-byte vectors."""
+    return n % (16 // dtype.itemsize) == 0
+
+
+def _use_vectors(d: int, dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
+    """The register-cached vector variant fits: whole aligned vectors, at most 1024 threads × ROW_VECS."""
+    return _vectorizable(d, dtype) and d // (16 // dtype.itemsize) <= 1024 * ROW_VECS and kernels.aligned16(*tensors)
+
+
+def _threads(d: int, dtype: torch.dtype, vec: bool) -> int:
+    """Threads per row: enough for ROW_VECS vectors each (or one element each), whole warps, ≤ 1024."""
+    work = -(-d // (16 // dtype.itemsize * ROW_VECS)) if vec else d
+    return min(1024, max(32, -(-work // 32) * 32))
 
 
 class RMSNorm(nn.Module):
@@ -26,5 +106,8 @@ class RMSNorm(nn.Module):
         self.weight = empty_param(dim)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,0 +1,109 @@
+// RMSNorm, and RMSNorm fused with the residual add that precedes it.
+//
+//   y = round_T(x * rsqrt(mean(x^2) + eps)) * w         (rounding as transformers does it)
+//
+// One block per row, fp32 arithmetic throughout, the sum of squares reduced across the block with
+// warp shuffles (block_sum in common.cuh). Two variants:
+//   VEC = true  : the row is read once, in 16-byte vectors (8 bf16 values per load), and each
+//                 thread keeps its up to ROW_VECS vectors in registers between the reduction and
+//                 the write. The host picks blockDim so that blockDim * ROW_VECS covers the row.
+//   VEC = false : any dim and alignment; one element at a time, the row read twice (the second
+//                 time from cache).
+#include "common.cuh"
+
+constexpr int ROW_VECS = 4;  // 16-byte vectors per thread in the VEC variant (keep in sync with norm.py)
+
+// out[r] = rms_norm(x[r]) for r < gridDim.x; rows are `stride` elements apart in x, dense in out.
+template <typename T, bool VEC>
+__global__ void rms_norm(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ w,
+                         int dim, long long stride, float eps) {
+    const T* row = x + blockIdx.x * stride;
+    T* dst = out + (long long)blockIdx.x * dim;
+    if constexpr (VEC) {
+        constexpr int N = Vec16<T>::N;
+        const int nvec = dim / N;
+        Vec16<T> v[ROW_VECS];
+        float acc = 0.f;
+#pragma unroll
+        for (int k = 0; k < ROW_VECS; ++k) {
+            const int i = threadIdx.x + k * blockDim.x;
+            if (i < nvec) {
+                v[k] = load16(row + i * N);
+#pragma unroll
+                for (int j = 0; j < N; ++j) { float f = to_float(v[k].v[j]); acc += f * f; }
+            }
+        }
+        const float inv_rms = rsqrtf(block_sum(acc) / dim + eps);
+#pragma unroll
+        for (int k = 0; k < ROW_VECS; ++k) {
+            const int i = threadIdx.x + k * blockDim.x;
+            if (i < nvec) {
+                Vec16<T> g = load16(w + i * N), o;
+#pragma unroll
+                for (int j = 0; j < N; ++j) o.v[j] = from_float<T>(round_to<T>(to_float(v[k].v[j]) * inv_rms) * to_float(g.v[j]));
+                store16(dst + i * N, o);
+            }
+        }
+    } else {
+        float acc = 0.f;
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) { float f = to_float(row[i]); acc += f * f; }
+        const float inv_rms = rsqrtf(block_sum(acc) / dim + eps);
+        for (int i = threadIdx.x; i < dim; i += blockDim.x)
+            dst[i] = from_float<T>(round_to<T>(to_float(row[i]) * inv_rms) * to_float(w[i]));
+    }
+}
+
+// residual[r] += x[r] (rounded to T, as `residual + x` in PyTorch), then out[r] = rms_norm(residual[r]).
+// All three tensors are dense [rows, dim].
+template <typename T, bool VEC>
+__global__ void fused_add_rms_norm(T* __restrict__ out, T* __restrict__ residual, const T* __restrict__ x,
+                                   const T* __restrict__ w, int dim, float eps) {
+    const long long base = (long long)blockIdx.x * dim;
+    T* res = residual + base;
+    const T* xr = x + base;
+    T* dst = out + base;
+    if constexpr (VEC) {
+        constexpr int N = Vec16<T>::N;
+        const int nvec = dim / N;
+        Vec16<T> v[ROW_VECS];
+        float acc = 0.f;
+#pragma unroll
+        for (int k = 0; k < ROW_VECS; ++k) {
+            const int i = threadIdx.x + k * blockDim.x;
+            if (i < nvec) {
+                Vec16<T> a = load16(res + i * N), b = load16(xr + i * N);
+#pragma unroll
+                for (int j = 0; j < N; ++j) {
+                    a.v[j] = from_float<T>(to_float(a.v[j]) + to_float(b.v[j]));
+                    float f = to_float(a.v[j]);
+                    acc += f * f;
+                }
+                store16(res + i * N, a);
+                v[k] = a;
+            }
+        }
+        const float inv_rms = rsqrtf(block_sum(acc) / dim + eps);
+#pragma unroll
+        for (int k = 0; k < ROW_VECS; ++k) {
+            const int i = threadIdx.x + k * blockDim.x;
+            if (i < nvec) {
+                Vec16<T> g = load16(w + i * N), o;
+#pragma unroll
+                for (int j = 0; j < N; ++j) o.v[j] = from_float<T>(round_to<T>(to_float(v[k].v[j]) * inv_rms) * to_float(g.v[j]));
+                store16(dst + i * N, o);
+            }
+        }
+    } else {
+        float acc = 0.f;
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+            const T s = from_float<T>(to_float(res[i]) + to_float(xr[i]));
+            res[i] = s;
+            const float f = to_float(s);
+            acc += f * f;
+        }
+        // Each thread re-reads only the elements it wrote itself, so no barrier is needed here.
+        const float inv_rms = rsqrtf(block_sum(acc) / dim + eps);
+        for (int i = threadIdx.x; i < dim; i += blockDim.x)
+            dst[i] = from_float<T>(round_to<T>(to_float(res[i]) * inv_rms) * to_float(w[i]));
+    }
+}

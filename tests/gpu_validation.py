@@ -1,0 +1,99 @@
+"""The GPU validation gate: run on the GPU machine after any change to kernels or their wrappers.
+
+    python tests/gpu_validation.py            # writes tests/gpu_validation_report.json
+
+1. ``pytest -m gpu`` (every GPU test: kernels against references, full-size parity);
+2. ``compute-sanitizer --tool memcheck`` and ``--tool racecheck`` over the kernel tests
+   (``tests/test_*_gpu.py``), with PyTorch's caching allocator off so that every tensor is its own
+   allocation and an out-of-bounds access is caught at the tensor's edge;
+3. a report with the GPU, versions, date, pass/fail counts, sanitizer error counts and a hash of
+   ``kernels_cu/`` and the kernel wrappers. ``tests/test_gpu_report.py`` (CPU, in CI) fails when
+   the hash no longer matches the sources, so a kernel change cannot land unvalidated.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORT = ROOT / "tests" / "gpu_validation_report.json"
+
+
+def kernel_sources() -> list[Path]:
+    """kernels_cu/ and every engine module that launches kernels (declares a kernel file)."""
+    cu = sorted(p for p in (ROOT / "kernels_cu").iterdir() if p.suffix in (".cu", ".cuh"))
+    wrappers = sorted(p for p in (ROOT / "dsv2_lib").glob("*.py")
+                      if p.name == "kernels.py" or "kernels.declare(" in p.read_text())
+    return cu + wrappers
+
+
+def sources_hash() -> str:
+    h = hashlib.sha256()
+    for p in kernel_sources():
+        h.update(p.relative_to(ROOT).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def run_pytest(args: list[str], junit: Path, prefix: list[str] = (), env=None) -> tuple[dict, str]:
+    cmd = [*prefix, sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-q",
+           f"--junitxml={junit}", *args]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    if junit.is_file():
+        suite = ET.parse(junit).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        total = int(suite.get("tests"))
+        counts.update(failed=int(suite.get("failures")), errors=int(suite.get("errors")),
+                      skipped=int(suite.get("skipped")))
+        counts["passed"] = total - counts["failed"] - counts["errors"] - counts["skipped"]
+    return counts, r.stdout + r.stderr
+
+
+def sanitizer(tool: str, tests: list[str], out_dir: Path, xml_dir: Path) -> dict:
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", DSV2_BACKEND="cuda")
+    prefix = ["compute-sanitizer", f"--tool={tool}", "--target-processes=all", "--error-exitcode=0"]
+    counts, log = run_pytest([*tests, "-m", "gpu", "-x"], xml_dir / f"{tool}.xml", prefix, env)
+    (out_dir / f"sanitizer_{tool}.log").write_text(log)
+    # memcheck ends "ERROR SUMMARY: N errors", racecheck "RACECHECK SUMMARY: H hazards displayed (N errors, ...)"
+    m = re.findall(r"(?:ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) error)", log)
+    return {"tests": counts, "errors": sum(int(a or b) for a, b in m) if m else None}
+
+
+def main() -> int:
+    import cupy
+    import torch
+
+    out_dir = Path(os.environ.get("OUT", "/tmp"))  # logs; junit files go to a temp dir
+    xml_dir = Path(tempfile.mkdtemp())
+    kernel_tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*_gpu.py"))
+    gpu, log = run_pytest(["-m", "gpu", "tests"], xml_dir / "gpu.xml")
+    (out_dir / "gpu_tests.log").write_text(log)
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+                     "cupy": cupy.__version__, "driver": cupy.cuda.runtime.driverGetVersion()},
+        "gpu_tests": gpu,
+        "kernel_tests": kernel_tests,
+        "memcheck": sanitizer("memcheck", kernel_tests, out_dir, xml_dir),
+        "racecheck": sanitizer("racecheck", kernel_tests, out_dir, xml_dir),
+        "sources": [str(p.relative_to(ROOT)) for p in kernel_sources()],
+        "sources_sha256": sources_hash(),
+    }
+    REPORT.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    ok = (gpu["failed"] == gpu["errors"] == 0 and gpu["passed"] > 0
+          and all(report[t]["errors"] == 0 and report[t]["tests"]["failed"] == 0 for t in ("memcheck", "racecheck")))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

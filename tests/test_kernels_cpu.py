@@ -1,0 +1,56 @@
+"""Kernel plumbing that needs no GPU: backend selection and a compile check of every .cu file.
+
+The compile check builds, with the machine's nvcc for sm_90, exactly the template instantiations
+the engine asks NVRTC for at run time, so a syntax or type error in kernels_cu/ fails CI.
+"""
+import importlib
+import pkgutil
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import dsv2_lib
+from dsv2_lib import kernels
+
+
+def all_kernel_files():
+    for mod in pkgutil.iter_modules(dsv2_lib.__path__):
+        importlib.import_module(f"dsv2_lib.{mod.name}")  # modules declare their kernels on import
+    return kernels.KERNEL_FILES
+
+
+def test_every_cu_file_is_declared_by_a_module():
+    on_disk = {p.name for p in kernels.KERNEL_DIR.glob("*.cu")}
+    assert on_disk and on_disk == set(all_kernel_files())
+
+
+@pytest.mark.parametrize("filename", sorted(p.name for p in kernels.KERNEL_DIR.glob("*.cu")))
+def test_kernel_file_compiles_for_sm90(filename, tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on this machine (and NVRTC needs a GPU driver here): compile check skipped")
+    kf = all_kernel_files()[filename]
+    unit = tmp_path / "instantiate.cu"
+    unit.write_text(
+        f'#include "{filename}"\n'
+        + "".join(f"static const void* k{i} = (const void*)&{name};\n" for i, name in enumerate(kf.names))
+    )
+    r = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", f"-I{kernels.KERNEL_DIR}", "-c", str(unit),
+                        "-o", str(tmp_path / "k.o")], capture_output=True, text=True)
+    assert r.returncode == 0, f"{filename} does not compile:\n{r.stderr}"
+
+
+def test_backend_choice(monkeypatch):
+    cpu = torch.empty(1)
+    monkeypatch.setenv("DSV2_BACKEND", "torch")
+    assert not kernels.use_kernels(cpu)
+    monkeypatch.setenv("DSV2_BACKEND", "auto")
+    assert not kernels.use_kernels(cpu)  # CPU tensors always take the reference
+    monkeypatch.setenv("DSV2_BACKEND", "cuda")
+    with pytest.raises(RuntimeError, match="DSV2_BACKEND=cuda but the tensor is on cpu"):
+        kernels.use_kernels(cpu)
+    monkeypatch.setenv("DSV2_BACKEND", "fast")
+    with pytest.raises(ValueError, match="DSV2_BACKEND must be one of auto, cuda, torch, got 'fast'"):
+        kernels.use_kernels(cpu)
