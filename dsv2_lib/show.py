@@ -19,8 +19,7 @@ from pygments import highlight
 from pygments.formatters import HtmlFormatter
 from pygments.lexers import CudaLexer, PythonLexer
 
-KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels_cu"
-"""Where the raw CUDA C sources live: ``kernels_cu/`` at the repository root."""
+from .kernels import KERNEL_DIR
 
 _LEXERS = {"python": PythonLexer, "cuda": CudaLexer}
 
@@ -87,10 +86,10 @@ def show_kernel(name: str) -> Listing:
     """
     if Path(name).name != name or not name.endswith((".cu", ".cuh")):
         raise ValueError(f"show_kernel: want a name like 'rmsnorm.cu', got {name!r}")
-    path = KERNELS_DIR / name
+    path = KERNEL_DIR / name
     if not path.is_file():
-        kernels = sorted(p.name for p in KERNELS_DIR.glob("*.cu*"))
+        kernels = sorted(p.name for p in KERNEL_DIR.glob("*.cu*"))
         raise FileNotFoundError(
-            f"show_kernel: no {name!r} in {KERNELS_DIR}; available: {kernels}"
+            f"show_kernel: no {name!r} in {KERNEL_DIR}; available: {kernels}"
         )
     return Listing(path.read_text(encoding="utf-8"), "cuda", f"kernels_cu/{name}")

@@ -51,7 +51,7 @@ def test_show_source_rejects_builtins():
 def test_show_kernel(tmp_path, monkeypatch):
     src = '#include <cuda_bf16.h>\n__global__ void k(float* x) { x[threadIdx.x] *= 2.0f; }  // "<&>"\n'
     (tmp_path / "double.cu").write_text(src)
-    monkeypatch.setattr(show, "KERNELS_DIR", tmp_path)
+    monkeypatch.setattr(show, "KERNEL_DIR", tmp_path)
     listing = show_kernel("double.cu")
     mime = _mime(listing)
     assert mime["text/plain"] == src
@@ -62,7 +62,7 @@ def test_show_kernel(tmp_path, monkeypatch):
 
 def test_show_kernel_bad_names(tmp_path, monkeypatch):
     (tmp_path / "a.cu").write_text("")
-    monkeypatch.setattr(show, "KERNELS_DIR", tmp_path)
+    monkeypatch.setattr(show, "KERNEL_DIR", tmp_path)
     with pytest.raises(FileNotFoundError, match=r"available: \['a.cu'\]"):
         show_kernel("missing.cu")
     for bad in ("../setup.py", "sub/a.cu", "a.py", ""):

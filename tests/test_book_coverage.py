@@ -1,0 +1,125 @@
+"""The book covers the whole engine: every public function, class and method of ``dsv2_lib`` and
+every file of ``kernels_cu/`` is shown live (``show_source`` of it, its class or its module, or ``show_kernel``) by exactly one
+chapter, except what ``PENDING`` assigns to a chapter not yet written. PENDING must only shrink:
+when a chapter lands, its entries leave the list (the test fails while a shown item is still listed).
+"""
+import importlib
+import inspect
+import json
+import pkgutil
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import dsv2_lib
+from dsv2_lib.kernels import KERNEL_DIR
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# item -> chapter that will show it
+PENDING = {
+    **dict.fromkeys(["config.ConfigError", "config.RopeConfig", "config.ModelConfig", "config.config_from_dict",
+                     "config.load_config", "checkpoint.CheckpointError", "checkpoint.checkpoint_files",
+                     "checkpoint.load_checkpoint", "random_checkpoint.hub_tensor_shapes",
+                     "random_checkpoint.write_random_checkpoint"], "01"),
+    **dict.fromkeys(["tokenizer.Tokenizer"], "02"),
+    **dict.fromkeys(["config.yarn_mscale", "rope.rope_inv_freq", "rope.rope_cos_sin", "rope.apply_rope"], "04"),
+    **dict.fromkeys(["weights.empty_param", "weights.Linear", "weights.Embedding", "weights.default_dtype",
+                     "weights.upcast", "mla.MLA", "mla.MLA.project_q", "mla.MLA.project_latent",
+                     "mla.MLA.split_kv_b", "mla.MLA.forward"], "05"),
+    **dict.fromkeys(["mla.causal_attention", "mla.MLA.prefill_attention"], "06"),
+    **dict.fromkeys(["mlp.silu_and_mul", "mlp.MLP"], "07"),
+    **dict.fromkeys(["moe.route", "moe.routed_experts", "moe.Experts", "moe.Router", "moe.MoE"], "08"),
+    **dict.fromkeys(["model.DecoderLayer", "model.Backbone", "model.DeepseekV2", "sampling.SamplingParams",
+                     "sampling.filter_logits", "sampling.sample", "llm.RequestOutput", "llm.resolve_model",
+                     "llm.LLM", "kv_cache.SequenceBatch", "kv_cache.LatentCache"], "09"),
+    **dict.fromkeys(["mla.MLA.decode_attention"], "10"),
+    **dict.fromkeys(["mla.write_latent_cache"], "12"),
+    **dict.fromkeys(["tiny.train_tokenizer", "tiny.build"], "A"),
+}
+CHAPTERS = {f"{i:02d}" for i in range(15)} | set("ABCD")
+
+
+def public_items() -> dict[str, object]:
+    """``module.name`` (and ``module.Class.method``) -> object, for everything public in dsv2_lib."""
+    items = {}
+    for info in pkgutil.iter_modules(dsv2_lib.__path__):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"dsv2_lib.{info.name}")
+        for name, obj in vars(module).items():
+            if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+                continue
+            if inspect.isfunction(obj) or inspect.isclass(obj):
+                items[f"{info.name}.{name}"] = obj
+            if inspect.isclass(obj):
+                for meth, fn in vars(obj).items():
+                    if not meth.startswith("_") and inspect.isfunction(fn):
+                        items[f"{info.name}.{name}.{meth}"] = fn
+    return items
+
+
+def kernel_files() -> list[str]:
+    return sorted(p.name for p in KERNEL_DIR.iterdir() if p.suffix in (".cu", ".cuh"))
+
+
+def shows() -> dict[str, set[str]]:
+    """item or kernel file -> chapters whose notebook shows it (a shown class covers its methods)."""
+    items = public_items()
+    modules = {k.split(".")[0] for k in items}
+    covered = defaultdict(set)
+    for nb in sorted((ROOT / "notebooks").glob("[0-9A-D][0-9]_*.ipynb")):
+        chapter = nb.name[:2]
+        code = "\n".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
+        for f in re.findall(r"show_kernel\(\s*[\"']([^\"']+)[\"']", code):
+            covered[f].add(chapter)
+        for expr in re.findall(r"show_source\(\s*([\w.]+)\s*\)", code):
+            if expr in modules:  # a whole module: everything in it
+                for k in items:
+                    if k.startswith(expr + "."):
+                        covered[k].add(chapter)
+                continue
+            key = resolve(expr, items)
+            covered[key].add(chapter)
+            if inspect.isclass(items[key]):
+                for k in items:
+                    if k.startswith(key + "."):
+                        covered[k].add(chapter)
+            elif key.count(".") == 2:  # a method shown on its own also shows where its class lives
+                covered[key.rsplit(".", 1)[0]].add(chapter)
+    return covered
+
+
+def resolve(expr: str, items: dict) -> str:
+    """``roofline.parameter_counts``, ``kernels.KernelFile``, ``mla.MLA.decode_attention``, ``show_source`` -> item key."""
+    matches = [k for k in items if k == expr or k.endswith("." + expr)]
+    assert len(matches) == 1, f"show_source({expr}): cannot tell which dsv2_lib object this is ({matches})"
+    return matches[0]
+
+
+def pending_chapter(key: str) -> str | None:
+    """The chapter an item is pending for: its own entry, or its class's (methods follow their class)."""
+    return PENDING.get(key) or (PENDING.get(key.rsplit(".", 1)[0]) if key.count(".") == 2 else None)
+
+
+def test_pending_entries_are_real_and_name_a_chapter():
+    known = set(public_items()) | set(kernel_files())
+    assert not set(PENDING) - known, f"PENDING names things that do not exist: {sorted(set(PENDING) - known)}"
+    assert set(PENDING.values()) <= CHAPTERS
+
+
+def test_everything_is_shown_by_exactly_one_chapter_or_pending():
+    covered = shows()
+    items = public_items()
+    problems = []
+    for key in sorted(set(items) | set(kernel_files())):
+        chapters = covered.get(key, set())
+        is_class = key in items and inspect.isclass(items[key])
+        if pending_chapter(key):
+            if chapters:
+                problems.append(f"{key}: shown in chapter {sorted(chapters)} but still PENDING for {pending_chapter(key)}")
+        elif not chapters:
+            problems.append(f"{key}: shown by no chapter (show it, or add it to PENDING with its chapter)")
+        elif len(chapters) > 1 and not is_class:
+            problems.append(f"{key}: shown by chapters {sorted(chapters)}; one chapter owns it")
+    assert not problems, "\n".join(problems)
