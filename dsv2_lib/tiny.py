@@ -23,8 +23,9 @@ BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"  # Dee
 CORPUS_MODULES = ("textwrap", "string", "argparse", "json.decoder", "difflib", "fractions")
 
 
-def train_tokenizer(vocab_size: int) -> tokenizers.Tokenizer:
-    """Byte-level BPE with BOS = id 0 and EOS = id 1, adding BOS in front of every encoded text."""
+def train_tokenizer(texts: list[str], vocab_size: int) -> tokenizers.Tokenizer:
+    """Byte-level BPE trained on ``texts``, with BOS = id 0 and EOS = id 1 (DeepSeek-V2's special
+    tokens), adding BOS in front of every encoded text. Deterministic for the same inputs."""
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -34,15 +35,14 @@ def train_tokenizer(vocab_size: int) -> tokenizers.Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    corpus = [inspect.getsource(importlib.import_module(m)) for m in CORPUS_MODULES]
-    tok.train_from_iterator(corpus, trainer)
+    tok.train_from_iterator(texts, trainer)
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 0)])
     return tok
 
 
 def build(directory: Path = EMBEDDED_MODELS["tiny"]) -> Path:
     write_random_checkpoint(TINY, directory, seed=SEED)
-    tok = train_tokenizer(TINY.vocab_size)
+    tok = train_tokenizer([inspect.getsource(importlib.import_module(m)) for m in CORPUS_MODULES], TINY.vocab_size)
     assert tok.token_to_id(BOS) == TINY.bos_token_id and tok.token_to_id(EOS) == TINY.eos_token_id[0]
     tok.save(str(directory / "tokenizer.json"))
     (directory / "generation_config.json").write_text(
