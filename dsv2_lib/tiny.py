@@ -17,9 +17,9 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from .config import TINY
 from .llm import EMBEDDED_MODELS
 from .random_checkpoint import write_random_checkpoint
+from .tokenizer import BOS, EOS
 
 SEED = 1234
-BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"  # DeepSeek-V2's own special tokens
 CORPUS_MODULES = ("textwrap", "string", "argparse", "json.decoder", "difflib", "fractions")
 
 
