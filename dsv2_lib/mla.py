@@ -20,7 +20,7 @@ from torch import nn
 from .config import ModelConfig
 from .kv_cache import SequenceBatch
 from .norm import RMSNorm
-from .rope import apply_rope
+from .rope import apply_rope_
 from .weights import Linear, upcast
 
 
@@ -77,14 +77,19 @@ class MLA(nn.Module):
         return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: SequenceBatch, cache: torch.Tensor
+        self, x: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor, batch: SequenceBatch,
+        cache: torch.Tensor,
     ) -> torch.Tensor:
-        """``x [T, H]`` -> ``[T, H]``; writes this step's rows into ``cache [S, L, row_dim]`` first."""
+        """``x [T, H]`` -> ``[T, H]``; writes this step's rows into ``cache [S, L, row_dim]`` first.
+
+        ``positions [T]`` (int64, on x's device) index ``rope_cache [P, rope_dim]`` (rope_cos_sin_cache).
+        """
         c = self.cfg
         q = self.project_q(x)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.project_latent(x)
-        q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe, cos, sin)
+        last = max((s + n - 1 for s, n in zip(batch.starts, batch.lens)), default=-1)  # bounds positions, from the host
+        apply_rope_(q_pe, k_pe, positions, rope_cache, last)  # in place, on the strided views of q and kv_a's output
         write_latent_cache(cache, batch, torch.cat([latent, k_pe], dim=-1))
         attend = self.decode_attention if batch.decode else self.prefill_attention
         out = attend(q_nope, q_pe, batch, cache)

@@ -1,7 +1,7 @@
 """The DeepSeek-V2 model: embedding, pre-norm decoder layers (MLA + dense MLP or MoE), final norm, LM head.
 
 Parameter names equal the HF checkpoint's (``model.layers.3.self_attn.kv_b_proj.weight``), except
-that routed experts are stacked per layer (``model.layers.3.mlp.experts.gate_proj [E, I, H]``).
+that routed experts are stacked per layer and gate/up fused (``model.layers.3.mlp.experts.gate_up_proj [E, 2I, H]``).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .mla import MLA
 from .mlp import MLP
 from .moe import MoE
 from .norm import RMSNorm
-from .rope import rope_cos_sin
+from .rope import rope_cos_sin_cache
 from .weights import Embedding, Linear
 
 
@@ -33,13 +33,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, out, residual, cos, sin, batch: SequenceBatch, cache: torch.Tensor):
+    def forward(self, out, residual, positions, rope_cache, batch: SequenceBatch, cache: torch.Tensor):
         """``out [T, H]`` (previous block's output), ``residual [T, H]`` (None before layer 0)."""
         if residual is None:
             h, residual = self.input_layernorm(out), out
         else:
             h, residual = self.input_layernorm(out, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, batch, cache), residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, positions, rope_cache, batch, cache), residual)
         return self.mlp(h), residual
 
 
@@ -62,6 +62,7 @@ class DeepseekV2(nn.Module):
         self.model = Backbone(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self._rope_cache: torch.Tensor | None = None  # [P, rope_dim] fp32, built by the first forward
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -74,10 +75,14 @@ class DeepseekV2(nn.Module):
         if input_ids.shape != (batch.num_tokens,):
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}, the batch describes {batch.num_tokens} tokens")
         cache.check_fits(batch)
-        cos, sin = rope_cos_sin(self.cfg, batch.positions(input_ids.device))
+        # One cos/sin table for all layers, as long as the latent cache: it covers every position check_fits allows.
+        rope_cache = self._rope_cache
+        if rope_cache is None or rope_cache.shape[0] < cache.max_len or rope_cache.device != input_ids.device:
+            rope_cache = self._rope_cache = rope_cos_sin_cache(self.cfg, cache.max_len, input_ids.device)
+        positions = batch.positions(input_ids.device)
         out, residual = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
-            out, residual = layer(out, residual, cos, sin, batch, cache.layer(i))
+            out, residual = layer(out, residual, positions, rope_cache, batch, cache.layer(i))
         return self.model.norm(out, residual)[0]
 
     @torch.inference_mode()

@@ -6,7 +6,7 @@ import torch
 from dsv2_lib.config import TINY
 from dsv2_lib.kv_cache import LatentCache, SequenceBatch
 from dsv2_lib.mla import MLA
-from dsv2_lib.rope import apply_rope, rope_cos_sin
+from dsv2_lib.rope import apply_rope_reference_, rope_cos_sin_cache
 from dsv2_lib.weights import default_dtype
 
 
@@ -30,13 +30,14 @@ def test_absorbed_decode_equals_decompressed_attention_fp64():
     cache = LatentCache(cfg, 3, 16, torch.float64, "cpu").layer(0)
     prefill = SequenceBatch((0, 1, 2), (0, 0, 0), starts)
     x = torch.randn(prefill.num_tokens, cfg.hidden_size, dtype=torch.float64)
-    mla(x, *rope_cos_sin(cfg, prefill.positions()), prefill, cache)
+    table = rope_cos_sin_cache(cfg, 16)
+    mla(x, prefill.positions(), table, prefill, cache)
 
     step = torch.randn(3, cfg.hidden_size, dtype=torch.float64)
     outs = {}
     for decode in (False, True):
         batch = SequenceBatch((0, 1, 2), starts, (1, 1, 1), decode=decode)
-        outs[decode] = mla(step, *rope_cos_sin(cfg, batch.positions()), batch, cache.clone())
+        outs[decode] = mla(step, batch.positions(), table, batch, cache.clone())
     assert outs[True].abs().max() > 1e-3  # a real signal, not zeros
     torch.testing.assert_close(outs[True], outs[False], atol=1e-12, rtol=1e-10)
 
@@ -48,11 +49,13 @@ def test_prefill_writes_latent_rows_at_each_position():
     cache = LatentCache(cfg, 2, 8, torch.float64, "cpu").layer(0)
     batch = SequenceBatch((1, 0), (2, 0), (3, 4))  # slot 1 continues at position 2
     x = torch.randn(batch.num_tokens, cfg.hidden_size, dtype=torch.float64)
-    cos, sin = rope_cos_sin(cfg, batch.positions())
-    mla(x, cos, sin, batch, cache)
+    table = rope_cos_sin_cache(cfg, 8)
+    mla(x, batch.positions(), table, batch, cache)
     latent, k_pe = mla.project_latent(x)
 
-    rows = torch.cat([latent, apply_rope(k_pe, cos, sin)], dim=-1)
+    k_pe = k_pe.clone()
+    apply_rope_reference_(torch.empty(batch.num_tokens, 0, k_pe.shape[1], dtype=k_pe.dtype), k_pe, batch.positions(), table)
+    rows = torch.cat([latent, k_pe], dim=-1)
     torch.testing.assert_close(cache[1, 2:5], rows[:3])
     torch.testing.assert_close(cache[0, :4], rows[3:])
     assert cache[1, :2].abs().sum() == 0 and cache[1, 5:].abs().sum() == 0 and cache[0, 4:].abs().sum() == 0
