@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .embedding import embedding
+
 
 def empty_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
     """An uninitialised, frozen parameter; created on the default device (set by ``torch.device(...)``)."""
@@ -32,8 +34,9 @@ class Embedding(nn.Module):
         super().__init__()
         self.weight = empty_param(vocab, hidden)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+    def forward(self, ids: torch.Tensor, check: bool = True) -> torch.Tensor:
+        """Rows of the table for ``ids``; ``check=False`` skips the range check's host sync (CUDA graphs)."""
+        return embedding(ids, self.weight, check=check)
 
 
 @contextlib.contextmanager
