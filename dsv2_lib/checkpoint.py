@@ -3,11 +3,18 @@
 Every tensor is checked against the parameter it fills (name, shape, dtype on disk) and every
 parameter must be filled exactly once; errors name the file and the tensor. Files are memory-mapped
 by the ``safetensors`` package and copied one tensor at a time into the (possibly GPU) parameters,
-so the checkpoint is never held in RAM as a whole. The Hub stores each expert separately
-(``...mlp.experts.7.up_proj.weight``); those are stacked into ``...mlp.experts.up_proj [E, I, H]``.
+so the checkpoint is never held in RAM as a whole.
+
+Two checkpoint tensors can fill one parameter. The engine fuses gate and up into one GEMM
+(``...mlp.gate_up_proj.weight [2I, H]``: gate rows, then up rows), and stacks the routed experts
+(``...mlp.experts.gate_up_proj [E, 2I, H]``, ``...mlp.experts.down_proj [E, H, I]``), while the Hub
+keeps ``...mlp.gate_proj.weight``, ``...mlp.up_proj.weight`` and one key per expert
+(``...mlp.experts.7.up_proj.weight``). So a checkpoint name maps to (parameter, index), and the
+index selects one piece of the parameter seen as :func:`_pieces` does: gate/up half first, then expert.
 """
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -20,7 +27,8 @@ from .safetensors_io import SafetensorsFormatError, read_index
 
 DISK_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 _EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_STACKED = re.compile(r"\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
+_GATE_UP_KEY = re.compile(r"^(model\.layers\.\d+\.mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)\.weight$")
+_HALVES = ("gate_proj", "up_proj")  # the two halves of gate_up_proj, in order
 _IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")  # a buffer some old exports saved; derived, not a weight
 
 
@@ -71,10 +79,33 @@ def _open(path: Path):
         raise CheckpointError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from None
 
 
-def _target(name: str) -> tuple[str, int | None]:
-    """Checkpoint name -> (parameter name, expert index or None)."""
-    m = _EXPERT_KEY.match(name)
-    return (f"{m[1]}.{m[3]}", int(m[2])) if m else (name, None)
+def _target(name: str) -> tuple[str, tuple[int, ...]]:
+    """Checkpoint name -> (parameter name, index into :func:`_pieces` of it; ``()`` = the whole)."""
+    if m := _EXPERT_KEY.match(name):  # ...mlp.experts.7.up_proj.weight
+        if m[3] == "down_proj":
+            return f"{m[1]}.down_proj", (int(m[2]),)
+        return f"{m[1]}.gate_up_proj", (_HALVES.index(m[3]), int(m[2]))
+    if m := _GATE_UP_KEY.match(name):  # ...mlp.up_proj.weight, ...mlp.shared_experts.up_proj.weight
+        return f"{m[1]}.gate_up_proj.weight", (_HALVES.index(m[2]),)
+    return name, ()
+
+
+def _pieces(param_name: str, param: torch.Tensor) -> torch.Tensor:
+    """A view of ``param`` whose leading dims pick one checkpoint tensor: gate/up half, then expert.
+
+    ``gate_up_proj [2I, H] -> [2, I, H]``; stacked ``experts.gate_up_proj [E, 2I, H] -> [2, E, I, H]``;
+    stacked ``experts.down_proj [E, H, I]`` as it is (the expert is the leading dim); others whole.
+    """
+    if param_name.endswith("gate_up_proj.weight"):
+        return param.view(2, -1, param.shape[-1])
+    if param_name.endswith("experts.gate_up_proj"):
+        return param.view(param.shape[0], 2, -1, param.shape[-1]).transpose(0, 1)
+    return param
+
+
+def _lead_dims(param_name: str) -> int:
+    """How many leading dims of :func:`_pieces` index the checkpoint tensors of a parameter."""
+    return ("gate_up_proj" in param_name) + (".mlp.experts." in param_name)
 
 
 def load_checkpoint(model: nn.Module, directory: str | Path, progress: bool | None = None) -> None:
@@ -87,15 +118,15 @@ def load_checkpoint(model: nn.Module, directory: str | Path, progress: bool | No
     tied = getattr(getattr(model, "cfg", None), "tie_word_embeddings", False)
     if tied:
         files.pop("lm_head.weight", None)  # tied: the LM head is the embedding
-    filled: dict[str, set[int | None]] = {n: set() for n in params}
+    filled: dict[str, set[tuple[int, ...]]] = {n: set() for n in params}
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
         if not _IGNORED.search(name):
             by_file.setdefault(path, []).append(name)
 
-    # the engine's stacked expert names are not checkpoint names: experts come one key each
+    # the engine's fused/stacked names are not checkpoint names: a piece must come with its full index
     unexpected = [n for names in by_file.values() for n in names
-                  if _target(n)[0] not in params or (_target(n)[1] is None and _STACKED.search(n))]
+                  if _target(n)[0] not in params or len(_target(n)[1]) != _lead_dims(_target(n)[0])]
     if unexpected:
         raise CheckpointError(
             f"{directory}: {len(unexpected)} tensor(s) the model does not have, e.g. "
@@ -117,27 +148,29 @@ def load_checkpoint(model: nn.Module, directory: str | Path, progress: bool | No
         raise CheckpointError(f"{directory}: {len(missing)} tensor(s) missing, e.g. " + ", ".join(f"'{m}'" for m in missing[:3]))
 
 
-def _expected_entries(param_name: str, param: torch.Tensor) -> list[int | None]:
-    """A stacked expert parameter is filled expert by expert; any other in one piece (``None``)."""
-    return list(range(param.shape[0])) if _STACKED.search(param_name) else [None]
+def _expected_entries(param_name: str, param: torch.Tensor) -> list[tuple[int, ...]]:
+    """The indices of every checkpoint tensor that fills a parameter, in the Hub's order
+    (``[()]`` for a parameter stored whole)."""
+    return list(itertools.product(*map(range, _pieces(param_name, param).shape[: _lead_dims(param_name)])))
 
 
-def _source_name(param_name: str, expert: int | None) -> str:
-    """The checkpoint's name for a parameter (or one expert's slice of a stacked one)."""
-    if expert is None:
+def _source_name(param_name: str, index: tuple[int, ...]) -> str:
+    """The checkpoint's name for the piece ``index`` of a parameter (the inverse of :func:`_target`)."""
+    if not index:
         return param_name
-    prefix, proj = param_name.rsplit(".", 1)
-    return f"{prefix}.{expert}.{proj}.weight"
+    prefix, proj = param_name.removesuffix(".weight").rsplit(".", 1)
+    if proj == "gate_up_proj":
+        proj, index = _HALVES[index[0]], index[1:]
+    return ".".join([prefix, *map(str, index), proj, "weight"])
 
 
 def _copy_tensor(f, path: Path, name: str, params: dict, filled: dict) -> None:
-    target, expert = _target(name)
-    param = params[target]
-    dest = param if expert is None else None
-    if expert is not None:
-        if expert >= param.shape[0]:
-            raise CheckpointError(f"{path}: tensor '{name}': expert {expert} but the model has {param.shape[0]} experts")
-        dest = param[expert]
+    target, index = _target(name)
+    pieces = _pieces(target, params[target])
+    if index and index[-1] >= pieces.shape[len(index) - 1]:  # only an expert number can be out of range
+        raise CheckpointError(f"{path}: tensor '{name}': expert {index[-1]} but the model has "
+                              f"{pieces.shape[len(index) - 1]} experts")
+    dest = pieces[index]  # a view: copying into it fills the parameter
     try:
         view = f.get_slice(name)
         dtype, shape = view.get_dtype(), tuple(view.get_shape())
@@ -147,10 +180,10 @@ def _copy_tensor(f, path: Path, name: str, params: dict, filled: dict) -> None:
         raise CheckpointError(f"{path}: tensor '{name}' has dtype {dtype}; supported: {', '.join(DISK_DTYPES)}")
     if shape != tuple(dest.shape):
         raise CheckpointError(f"{path}: tensor '{name}' has shape {list(shape)}, expected {list(dest.shape)}")
-    if expert in filled[target]:
+    if index in filled[target]:
         raise CheckpointError(f"{path}: tensor '{name}' given twice")
     try:
         dest.copy_(f.get_tensor(name))
     except SafetensorError as e:
         raise CheckpointError(f"{path}: cannot read tensor '{name}' (truncated file?): {e}") from None
-    filled[target].add(expert)
+    filled[target].add(index)

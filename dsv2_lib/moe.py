@@ -40,12 +40,12 @@ def routed_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    gate_proj: torch.Tensor,
-    up_proj: torch.Tensor,
+    gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
 ) -> torch.Tensor:
     """``Σ_j weights[t, j] · expert_{ids[t, j]}(x[t])`` for ``x [T, H]``; experts stacked as
-    ``gate_proj, up_proj [E, I, H]`` and ``down_proj [E, H, I]``. Accumulates in fp32 (or wider).
+    ``gate_up_proj [E, 2I, H]`` (each expert's gate rows, then its up rows) and ``down_proj [E, H, I]``.
+    Accumulates in fp32 (or wider).
 
     Reference algorithm: flatten the T·k (token, expert) choices, sort them by expert so each
     expert's tokens are contiguous, run each expert once on its rows, scatter-add back.
@@ -53,7 +53,7 @@ def routed_experts(
     t, k = ids.shape
     flat_ids = ids.flatten()
     order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=gate_proj.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
     token_of = order // k
     out = torch.zeros(t, x.shape[1], dtype=upcast(x).dtype, device=x.device)
     start = 0
@@ -62,7 +62,7 @@ def routed_experts(
             continue
         rows = order[start : start + n]
         tokens = token_of[start : start + n]
-        h = silu_and_mul(F.linear(x[tokens], gate_proj[expert]), F.linear(x[tokens], up_proj[expert]))
+        h = silu_and_mul(F.linear(x[tokens], gate_up_proj[expert]))  # [n, 2I] -> [n, I]
         y = upcast(F.linear(h, down_proj[expert])) * weights.flatten()[rows, None]
         out.index_add_(0, tokens, y)
         start += n
@@ -70,12 +70,12 @@ def routed_experts(
 
 
 class Experts(nn.Module):
-    """The routed experts' weights, stacked: ``gate_proj, up_proj [E, I, H]``, ``down_proj [E, H, I]``."""
+    """The routed experts' weights, stacked: ``gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and
+    ``down_proj [E, H, I]`` (transformers 5 stores them the same way)."""
 
     def __init__(self, n: int, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = empty_param(n, intermediate, hidden)
-        self.up_proj = empty_param(n, intermediate, hidden)
+        self.gate_up_proj = empty_param(n, 2 * intermediate, hidden)
         self.down_proj = empty_param(n, hidden, intermediate)
 
 
@@ -103,7 +103,7 @@ class MoE(nn.Module):
         """``x [T, H] -> [T, H]``."""
         weights, ids = route(F.linear(upcast(x), self.gate.weight), self.cfg)
         e = self.experts
-        out = routed_experts(x, weights, ids, e.gate_proj, e.up_proj, e.down_proj)
+        out = routed_experts(x, weights, ids, e.gate_up_proj, e.down_proj)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

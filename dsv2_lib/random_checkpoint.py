@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import _expected_entries, _source_name
+from .checkpoint import _expected_entries, _pieces, _source_name
 from .config import ModelConfig
 from .model import DeepseekV2
 
@@ -23,8 +23,8 @@ def hub_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         model = DeepseekV2(cfg)
     shapes = {}
     for name, p in model.named_parameters():
-        for e in _expected_entries(name, p):
-            shapes[_source_name(name, e)] = tuple(p.shape if e is None else p.shape[1:])
+        for index in _expected_entries(name, p):
+            shapes[_source_name(name, index)] = tuple(_pieces(name, p).shape[len(index):])
     return shapes
 
 

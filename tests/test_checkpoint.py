@@ -113,7 +113,7 @@ def test_router_gate_stays_fp32_in_a_bf16_model(tmp_path):
     model = loaded(d, torch.bfloat16)
     gate = model.model.layers[1].mlp.gate.weight
     assert gate.dtype == torch.float32
-    assert model.model.layers[1].mlp.experts.up_proj.dtype == torch.bfloat16
+    assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
     # the fp32 gate on disk is kept exactly, not rounded through bf16
     on_disk = load_file(d / "model.safetensors")[GATE_KEY]
     assert torch.equal(gate, on_disk)
@@ -124,13 +124,27 @@ def test_per_expert_keys_are_stacked_in_order(ckpt):
     on_disk = load_file(ckpt / "model.safetensors")
     assert {k: tuple(v.shape) for k, v in on_disk.items()} == hub_tensor_shapes(SMALL)  # Hub layout: one key per expert
     experts = loaded(ckpt).model.layers[1].mlp.experts
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        stacked = getattr(experts, proj)
-        assert stacked.shape[0] == SMALL.n_routed_experts
+    i = SMALL.moe_intermediate_size
+    assert experts.gate_up_proj.shape == (SMALL.n_routed_experts, 2 * i, SMALL.hidden_size)
+    assert experts.down_proj.shape == (SMALL.n_routed_experts, SMALL.hidden_size, i)
+    pieces = {"gate_proj": lambda e: experts.gate_up_proj[e, :i], "up_proj": lambda e: experts.gate_up_proj[e, i:],
+              "down_proj": lambda e: experts.down_proj[e]}  # gate rows, then up rows, of each expert
+    for proj, piece in pieces.items():
         for e in range(SMALL.n_routed_experts):
-            assert torch.equal(stacked[e], on_disk[f"model.layers.1.mlp.experts.{e}.{proj}.weight"].float()), (proj, e)
+            assert torch.equal(piece(e), on_disk[f"model.layers.1.mlp.experts.{e}.{proj}.weight"].float()), (proj, e)
     # distinct experts really are distinct (a loader that wrote expert 0 everywhere would fail above)
-    assert not torch.equal(experts.up_proj[0], experts.up_proj[3])
+    assert not torch.equal(experts.gate_up_proj[0, i:], experts.gate_up_proj[3, i:])
+
+
+@pytest.mark.parametrize("prefix", ["model.layers.0.mlp", "model.layers.1.mlp.shared_experts"])
+def test_gate_and_up_fill_the_two_halves_of_gate_up_proj(ckpt, prefix):
+    """The dense MLP and the shared experts: ``gate_proj`` fills rows 0..I-1, ``up_proj`` rows I..2I-1."""
+    on_disk = load_file(ckpt / "model.safetensors")
+    params = dict(loaded(ckpt).named_parameters())
+    gate, up = on_disk[f"{prefix}.gate_proj.weight"].float(), on_disk[f"{prefix}.up_proj.weight"].float()
+    assert f"{prefix}.gate_proj.weight" not in params and f"{prefix}.up_proj.weight" not in params
+    assert torch.equal(params[f"{prefix}.gate_up_proj.weight"], torch.cat([gate, up]))
+    assert not torch.equal(gate, up)
 
 
 def test_llm_loads_a_random_checkpoint(ckpt):
@@ -194,6 +208,17 @@ def test_missing_expert_tensor(ckpt):
         load_checkpoint(new_model(), ckpt)
 
 
+@pytest.mark.parametrize("name", ["model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.gate_proj.weight",
+                                  "model.layers.1.mlp.shared_experts.gate_proj.weight",
+                                  "model.layers.1.mlp.experts.2.gate_proj.weight",
+                                  "model.layers.1.mlp.experts.0.down_proj.weight"])
+def test_missing_half_of_a_fused_parameter_names_the_checkpoint_key(ckpt, name):
+    """gate and up fill one engine parameter: a missing half is reported by its own checkpoint name."""
+    rewrite(ckpt / "model.safetensors", lambda t: t.pop(name))
+    with pytest.raises(CheckpointError, match=re_path(ckpt) + r": 1 tensor\(s\) missing, e\.g\. '" + name.replace(".", r"\.") + "'$"):
+        load_checkpoint(new_model(), ckpt)
+
+
 def test_missing_plain_tensor(ckpt):
     rewrite(ckpt / "model.safetensors", lambda t: t.pop("model.layers.0.self_attn.kv_a_layernorm.weight"))
     with pytest.raises(CheckpointError, match=r"missing.*'model\.layers\.0\.self_attn\.kv_a_layernorm\.weight'"):
@@ -234,6 +259,8 @@ def test_expert_index_out_of_range(ckpt):
         (EXPERT_KEY, (16, 31), "[16, 32]"),
         ("model.layers.0.self_attn.kv_b_proj.weight", (16, 32), "[32, 16]"),  # transposed
         ("model.norm.weight", (1, 32), "[32]"),
+        ("model.layers.0.mlp.up_proj.weight", (96, 32), "[48, 32]"),  # the fused [2I, H], not one half
+        ("model.layers.1.mlp.shared_experts.gate_proj.weight", (16, 31), "[16, 32]"),
     ],
 )
 def test_misshaped_tensor(ckpt, name, shape, expected):
@@ -470,10 +497,14 @@ def test_fuzz_reference_file_loads(valid_bytes):
             assert torch.equal(model.model.norm.weight, f.get_tensor("model.norm.weight").float())
 
 
-def test_engine_stacked_expert_name_is_not_a_checkpoint_name(ckpt):
-    """``...mlp.experts.up_proj`` is the engine's stacked parameter, not a Hub key: refused rather than
-    silently overwriting (or being overwritten by) the per-expert tensors."""
-    name = "model.layers.1.mlp.experts.up_proj"
-    rewrite(ckpt / "model.safetensors", lambda t: t.update({name: torch.zeros(4, 16, 32, dtype=torch.bfloat16)}))
-    with pytest.raises(CheckpointError, match=r"does not have.*'model\.layers\.1\.mlp\.experts\.up_proj' in model\.safetensors"):
+@pytest.mark.parametrize("name, shape", [("model.layers.1.mlp.experts.gate_up_proj", (4, 32, 32)),
+                                         ("model.layers.1.mlp.experts.down_proj", (4, 32, 16)),
+                                         ("model.layers.0.mlp.gate_up_proj.weight", (96, 32)),
+                                         ("model.layers.1.mlp.shared_experts.gate_up_proj.weight", (32, 32))])
+def test_engine_fused_or_stacked_name_is_not_a_checkpoint_name(ckpt, name, shape):
+    """``...mlp.experts.gate_up_proj`` and ``...mlp.gate_up_proj.weight`` are the engine's fused and
+    stacked parameters, not Hub keys, even with the right shape: refused rather than silently
+    overwriting (or being overwritten by) the per-expert and per-projection tensors."""
+    rewrite(ckpt / "model.safetensors", lambda t: t.update({name: torch.zeros(shape, dtype=torch.bfloat16)}))
+    with pytest.raises(CheckpointError, match=r"does not have.*'" + name.replace(".", r"\.") + r"' in model\.safetensors"):
         load_checkpoint(new_model(), ckpt)

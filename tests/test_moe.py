@@ -31,7 +31,8 @@ def direct_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
         w = w / w.sum() if cfg.norm_topk_prob and len(chosen) > 1 else w * cfg.routed_scaling_factor
         y = moe.shared_experts(x[t : t + 1])[0]
         for e, we in zip(chosen, w):
-            g, u, d = moe.experts.gate_proj[e], moe.experts.up_proj[e], moe.experts.down_proj[e]
+            g, u = moe.experts.gate_up_proj[e].chunk(2)  # [2I, H]: gate rows, then up rows
+            d = moe.experts.down_proj[e]
             y = y + we * (d @ (F.silu(g @ x[t]) * (u @ x[t])))
         out.append(y)
     return torch.stack(out)
