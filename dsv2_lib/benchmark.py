@@ -1,7 +1,8 @@
 """Timing on the GPU, and the roofline numbers chapters compare their kernels with.
 
 ``time_cuda`` times with CUDA events around many launches (after a warm-up, so compilation and
-caches stay out of the number) and reports the median. Bandwidth counts the fewest bytes an op
+caches stay out of the number) and reports the median: for short ops that is the cost of a call
+from Python. ``time_cuda_graph`` replays the calls from a CUDA graph: the GPU's own time. Bandwidth counts the fewest bytes an op
 must move (each input read once, each output written once) over that time.
 """
 from __future__ import annotations
@@ -29,6 +30,18 @@ def time_cuda(fn: Callable[[], object], warmup: int = 10, iters: int = 50, inner
         end.synchronize()
         samples.append(start.elapsed_time(end) / inner)
     return statistics.median(samples)
+
+
+def time_cuda_graph(fn: Callable[[], object], calls: int = 20) -> float:
+    """GPU milliseconds of one ``fn()``: capture ``calls`` back-to-back calls in a CUDA graph and
+    time its replays, which takes the CPU's launch cost out of the measurement."""
+    fn()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_cuda(graph.replay, iters=20, inner=5) / calls
 
 
 def bandwidth_fraction(nbytes: int, ms: float, peak: float = H200_BANDWIDTH) -> float:

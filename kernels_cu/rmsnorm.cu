@@ -13,6 +13,22 @@
 
 constexpr int ROW_VECS = 4;  // 16-byte vectors per thread in the VEC variant (keep in sync with norm.py)
 
+// dst[i] = round_T(v * inv_rms) * w for the vectors this thread holds in registers (VEC variants).
+template <typename T>
+__device__ __forceinline__ void scale_cached_row(T* dst, const Vec16<T> (&v)[ROW_VECS], const T* w, int nvec, float inv_rms) {
+    constexpr int N = Vec16<T>::N;
+#pragma unroll
+    for (int k = 0; k < ROW_VECS; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < nvec) {
+            Vec16<T> g = load16(w + i * N), o;
+#pragma unroll
+            for (int j = 0; j < N; ++j) o.v[j] = from_float<T>(round_to<T>(to_float(v[k].v[j]) * inv_rms) * to_float(g.v[j]));
+            store16(dst + i * N, o);
+        }
+    }
+}
+
 // out[r] = rms_norm(x[r]) for r < gridDim.x; rows are `stride` elements apart in x, dense in out.
 template <typename T, bool VEC>
 __global__ void rms_norm(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ w,
@@ -33,17 +49,7 @@ __global__ void rms_norm(T* __restrict__ out, const T* __restrict__ x, const T* 
                 for (int j = 0; j < N; ++j) { float f = to_float(v[k].v[j]); acc += f * f; }
             }
         }
-        const float inv_rms = rsqrtf(block_sum(acc) / dim + eps);
-#pragma unroll
-        for (int k = 0; k < ROW_VECS; ++k) {
-            const int i = threadIdx.x + k * blockDim.x;
-            if (i < nvec) {
-                Vec16<T> g = load16(w + i * N), o;
-#pragma unroll
-                for (int j = 0; j < N; ++j) o.v[j] = from_float<T>(round_to<T>(to_float(v[k].v[j]) * inv_rms) * to_float(g.v[j]));
-                store16(dst + i * N, o);
-            }
-        }
+        scale_cached_row(dst, v, w, nvec, rsqrtf(block_sum(acc) / dim + eps));
     } else {
         float acc = 0.f;
         for (int i = threadIdx.x; i < dim; i += blockDim.x) { float f = to_float(row[i]); acc += f * f; }
@@ -82,17 +88,7 @@ __global__ void fused_add_rms_norm(T* __restrict__ out, T* __restrict__ residual
                 v[k] = a;
             }
         }
-        const float inv_rms = rsqrtf(block_sum(acc) / dim + eps);
-#pragma unroll
-        for (int k = 0; k < ROW_VECS; ++k) {
-            const int i = threadIdx.x + k * blockDim.x;
-            if (i < nvec) {
-                Vec16<T> g = load16(w + i * N), o;
-#pragma unroll
-                for (int j = 0; j < N; ++j) o.v[j] = from_float<T>(round_to<T>(to_float(v[k].v[j]) * inv_rms) * to_float(g.v[j]));
-                store16(dst + i * N, o);
-            }
-        }
+        scale_cached_row(dst, v, w, nvec, rsqrtf(block_sum(acc) / dim + eps));
     } else {
         float acc = 0.f;
         for (int i = threadIdx.x; i < dim; i += blockDim.x) {

@@ -47,7 +47,8 @@ def checkpoint(tmp_path_factory) -> Path:
     return path
 
 
-IDS = torch.randint(0, DEEPSEEK_V2_LITE.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+PROMPTS = torch.randint(0, DEEPSEEK_V2_LITE.vocab_size, (4, 512), generator=torch.Generator().manual_seed(0)).tolist()
+IDS = PROMPTS[0]
 
 
 def free_gpu():
@@ -56,28 +57,33 @@ def free_gpu():
 
 
 def hf_logits(path, dtype) -> tuple[torch.Tensor, float]:
-    """transformers' prefill logits for IDS ``[512, vocab]`` (fp32, on the GPU) and its load time."""
+    """transformers' prefill logits for PROMPTS ``[4 * 512, vocab]`` (fp32, on the GPU) and its load time."""
     from transformers import DeepseekV2ForCausalLM
 
     t0 = time.perf_counter()
     model = DeepseekV2ForCausalLM.from_pretrained(path, dtype=dtype, device_map="cuda").eval()
     load_s = time.perf_counter() - t0
     with torch.no_grad():
-        logits = model(torch.tensor([IDS], device="cuda")).logits[0].float()
+        logits = torch.cat([model(torch.tensor([p], device="cuda")).logits[0].float() for p in PROMPTS])
     del model
     free_gpu()
     return logits, load_s
 
 
-def our_logits(path, dtype: str) -> tuple[torch.Tensor, float]:
+def our_logits(path, dtype: str, backends=("auto",)) -> tuple[list[torch.Tensor], float]:
+    """Our prefill logits for PROMPTS, once per ``DSV2_BACKEND`` in ``backends`` (one load), and the load time."""
     t0 = time.perf_counter()
     llm = LLM(path, device="cuda", dtype=dtype)
     load_s = time.perf_counter() - t0
     assert llm.config == DEEPSEEK_V2_LITE
-    logits = llm.logits(IDS).cuda()
+    out = []
+    with pytest.MonkeyPatch.context() as mp:
+        for backend in backends:
+            mp.setenv("DSV2_BACKEND", backend)
+            out.append(torch.cat([llm.logits(p).cuda() for p in PROMPTS]))
     del llm
     free_gpu()
-    return logits, load_s
+    return out, load_s
 
 
 def rel_err(a, b) -> float:
@@ -90,13 +96,16 @@ def top1_agreement(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def results(checkpoint):
-    """Logits of both engines in fp32 and bf16 on one 512-token prompt, compared; written as JSON."""
+    """Logits of both engines in fp32 and bf16 on four 512-token prompts, compared; written as JSON.
+
+    Ours in bf16 runs twice, on our kernels and on the PyTorch reference ops: two equally precise
+    paths that round differently, whose top-1 gap shows the size of run-to-run noise in that metric."""
     hf32, hf32_load = hf_logits(checkpoint, torch.float32)
-    ours32, _ = our_logits(checkpoint, "float32")
+    (ours32,), _ = our_logits(checkpoint, "float32")
     hf16, hf16_load = hf_logits(checkpoint, torch.bfloat16)
-    ours16, ours16_load = our_logits(checkpoint, "bfloat16")
+    (ours16, ours16_torch), ours16_load = our_logits(checkpoint, "bfloat16", backends=("cuda", "torch"))
     r = {
-        "positions": len(IDS),
+        "positions": sum(map(len, PROMPTS)),
         "logit_std": hf32.std().item(),
         "fp32_rel_err_ours_vs_hf": rel_err(ours32, hf32),
         "fp32_max_abs_ours_vs_hf": (ours32 - hf32).abs().max().item(),
@@ -107,6 +116,11 @@ def results(checkpoint):
         "bf16_rel_err_hf_vs_fp32": rel_err(hf16, hf32),
         "bf16_top1_agree_ours_vs_fp32": top1_agreement(ours16, hf32),
         "bf16_top1_agree_hf_vs_fp32": top1_agreement(hf16, hf32),
+        "bf16_rel_err_ours_torch_ops_vs_fp32": rel_err(ours16_torch, hf32),
+        "bf16_top1_agree_ours_torch_ops_vs_fp32": top1_agreement(ours16_torch, hf32),
+        "bf16_top1_agree_ours_cuda_vs_torch_ops": top1_agreement(ours16, ours16_torch),
+        "bf16_logit_ties_at_top1_ours": (ours16 == ours16.max(-1, keepdim=True).values).sum(-1).gt(1).float().mean().item(),
+        "bf16_logit_ties_at_top1_hf": (hf16 == hf16.max(-1, keepdim=True).values).sum(-1).gt(1).float().mean().item(),
         "load_s_ours_bf16": ours16_load,
         "load_s_transformers_bf16": hf16_load,
         "load_s_transformers_fp32": hf32_load,
@@ -119,7 +133,7 @@ def results(checkpoint):
 
 def test_full_size_fp32_logits_match_transformers(results):
     """Same architecture at full size: in fp32 only summation order differs. Measured on the H200:
-    3.3e-4 relative, 511 of 512 argmaxes equal. Over 512 tokens × 26 MoE layers a few expert
+    5.2e-4 relative, 2,047 of 2,048 argmaxes equal. Over 2,048 tokens × 26 MoE layers a few expert
     choices sit on near-ties of the router's top-6, where an fp32 rounding difference picks the
     other expert and moves that token's output by far more than rounding; the tiny CPU models,
     with fewer such ties, agree to 1e-5. Hence 1e-3 here, with >= 99 % equal argmaxes."""
@@ -129,10 +143,17 @@ def test_full_size_fp32_logits_match_transformers(results):
 
 def test_full_size_bf16_is_as_accurate_as_transformers_bf16(results):
     """bf16 vs bf16 top-1 agreement is capped by bf16 itself on random weights (transformers' own bf16
-    agrees with its fp32 at ~91 % of positions), so both bf16 runs are held against the fp32 logits:
-    ours must be at least as close as transformers' (2 % slack on the error, 1 point on top-1)."""
+    agrees with its fp32 at ~90 % of positions), so both bf16 runs are held against the fp32 logits:
+    ours must be at least as close as transformers' (2 % slack on the relative error). The top-1
+    rate is noisy: over these 2,048 positions (H200, 2026-11-29) ours picked fp32's token at 89.2 %,
+    transformers at 89.8 %, and ours on the PyTorch reference ops at 89.6 %, while our two paths,
+    equally precise, picked different tokens at 5.9 % of positions. A run of 512 positions once
+    showed ours 3.7 points below transformers with a *smaller* relative error. The top-1 check
+    therefore allows 3 points: about 3 sigma of the difference of two such rates
+    (sqrt(2 · 0.9 · 0.1 / 2048) = 0.9 points). An error larger than bf16 rounding shows first in the
+    relative error, which keeps its 2 % slack."""
     assert results["bf16_rel_err_ours_vs_fp32"] <= 1.02 * results["bf16_rel_err_hf_vs_fp32"]
-    assert results["bf16_top1_agree_ours_vs_fp32"] >= results["bf16_top1_agree_hf_vs_fp32"] - 0.01
+    assert results["bf16_top1_agree_ours_vs_fp32"] >= results["bf16_top1_agree_hf_vs_fp32"] - 0.03
     assert results["bf16_rel_err_ours_vs_hf_bf16"] < 6e-2  # two independent bf16 roundings of a ~4 % noise floor
 
 
