@@ -18,19 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # item -> chapter that will show it
 PENDING = {
-    **dict.fromkeys(["config.ConfigError", "config.RopeConfig", "config.ModelConfig", "config.config_from_dict",
-                     "config.load_config", "checkpoint.CheckpointError", "checkpoint.checkpoint_files",
-                     "checkpoint.load_checkpoint", "random_checkpoint.hub_tensor_shapes",
-                     "random_checkpoint.write_random_checkpoint", "safetensors_io.SafetensorsFormatError",
-                     "safetensors_io.TensorInfo", "safetensors_io.read_header", "safetensors_io.load_tensors",
-                     "safetensors_io.read_index"], "01"),
-    **dict.fromkeys(["tokenizer.Tokenizer"], "02"),
-    **dict.fromkeys(["config.yarn_mscale", "rope.rope_inv_freq", "rope.rope_cos_sin", "rope.apply_rope"], "04"),
-    **dict.fromkeys(["weights.empty_param", "weights.Linear", "weights.Embedding", "weights.default_dtype",
-                     "weights.upcast", "mla.MLA", "mla.MLA.project_q", "mla.MLA.project_latent",
-                     "mla.MLA.split_kv_b", "mla.MLA.forward"], "05"),
     **dict.fromkeys(["mla.causal_attention", "mla.MLA.prefill_attention"], "06"),
-    **dict.fromkeys(["mlp.silu_and_mul", "mlp.MLP"], "07"),
     **dict.fromkeys(["moe.route", "moe.routed_experts", "moe.Experts", "moe.Router", "moe.MoE"], "08"),
     **dict.fromkeys(["model.DecoderLayer", "model.Backbone", "model.DeepseekV2", "sampling.SamplingParams",
                      "sampling.filter_logits", "sampling.sample", "llm.RequestOutput", "llm.resolve_model",
