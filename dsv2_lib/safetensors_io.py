@@ -204,8 +204,9 @@ def read_index(directory: str | Path) -> tuple[dict, dict[str, Path]]:
     """Read ``model.safetensors.index.json`` of a sharded checkpoint.
 
     Returns ``(metadata, weight_map)`` with ``weight_map: tensor name -> shard path``. Every shard
-    must be a plain file name inside ``directory`` (no absolute path, no ``..`` out of it) that
-    exists.
+    must be a relative path inside ``directory`` (not absolute, no ``..``) naming a file that
+    exists. The check is on the name as written, so symbolic links are followed: the Hugging Face
+    cache keeps each file of a snapshot as a link into its ``blobs/`` folder.
     """
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
@@ -220,13 +221,12 @@ def read_index(directory: str | Path) -> tuple[dict, dict[str, Path]]:
     metadata = raw.get("metadata", {})
     if not isinstance(metadata, dict):
         raise SafetensorsFormatError(f"{index}: 'metadata' must be an object, got {type(metadata).__name__}")
-    root = directory.resolve()
     weight_map = {}
     for name, shard in raw["weight_map"].items():
         if not isinstance(shard, str) or not shard or "\0" in shard:
             raise SafetensorsFormatError(f"{index}: tensor {name!r} points to {shard!r}, which is not a file name")
-        path = (root / shard).resolve()
-        if Path(shard).is_absolute() or root not in path.parents:
+        path = directory / shard
+        if Path(shard).is_absolute() or ".." in Path(shard).parts:
             raise SafetensorsFormatError(
                 f"{index}: tensor {name!r} points to shard {shard!r}, outside the checkpoint directory")
         if not path.is_file():
