@@ -99,7 +99,7 @@ def test_counts_match_transformers(cfg):
 
 def test_active_parameters_tiny_by_hand():
     c = parameter_counts(TINY)
-    unused = 3 * (8 - 2) * 3 * 128 * 64  # 3 MoE layers, 6 of 8 experts idle per token
+    unused = 5 * (16 - 2) * 3 * 256 * 128  # 5 MoE layers, 14 of 16 experts (3 matrices of 256 x 128) idle per token
     assert active_parameters_per_token(TINY) == c["total"] - c["embedding"] - unused
 
 

@@ -1,30 +1,53 @@
-"""The embedded "tiny" model: reproducible from its seed, and loaded identically by transformers."""
+"""The embedded "tiny" model: a DeepSeek-V2 trained on Shakespeare, loaded identically by transformers."""
+import json
+
 import torch
-from safetensors.torch import load_file
 from transformers import DeepseekV2ForCausalLM
 
 from dsv2_lib import LLM, SamplingParams
 from dsv2_lib.config import TINY, load_config
 from dsv2_lib.llm import EMBEDDED_MODELS
-from dsv2_lib.random_checkpoint import write_random_checkpoint
-from dsv2_lib.tiny import SEED
+from dsv2_lib.roofline import parameter_counts
 
 TINY_DIR = EMBEDDED_MODELS["tiny"]
 
+# The Tempest, I.2: part of the training text; ln(4096) = 8.3 nats is the loss of a uniform guess.
+SPEECH = """MIRANDA.
+If by your art, my dearest father, you have
+Put the wild waters in this roar, allay them.
+The sky, it seems, would pour down stinking pitch,
+But that the sea, mounting to th' welkin's cheek,
+Dashes the fire out.
+"""
 
-def test_committed_weights_are_the_seeded_ones(tmp_path):
-    write_random_checkpoint(TINY, tmp_path, seed=SEED)
-    committed, rebuilt = load_file(TINY_DIR / "model.safetensors"), load_file(tmp_path / "model.safetensors")
-    assert committed.keys() == rebuilt.keys()
-    assert all(torch.equal(committed[k], rebuilt[k]) for k in committed)
-    assert load_config(TINY_DIR) == TINY
 
-
-def test_tiny_is_a_deepseek_v2_with_moe_and_yarn():
+def test_tiny_is_a_deepseek_v2_with_moe_and_yarn_within_budget():
     cfg = load_config(TINY_DIR)
+    assert cfg == TINY
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     assert not cfg.is_moe_layer(0) and len(moe_layers) >= 2
     assert cfg.rope.kind == "yarn" and cfg.n_shared_experts > 0
+    n = parameter_counts(cfg)["total"]
+    assert n <= 15_000_000 and (TINY_DIR / "model.safetensors").stat().st_size <= 30_000_000
+
+
+def test_training_record_ships_with_the_weights():
+    """training.json: the loss curve and settings of the run that produced these weights (appendix A)."""
+    record = json.loads((TINY_DIR / "training.json").read_text())
+    assert record["parameters"] == parameter_counts(TINY)["total"]
+    assert record["best_step"] in record["val_step"]
+    assert min(record["val_loss"]) < 4.5 < record["val_loss"][0]
+
+
+def test_weights_are_trained_on_the_corpus():
+    """Mean next-token loss on a known speech: far below a uniform guess (8.3 nats; random weights
+    score about that or worse). The shipped weights score 3.94, near their validation loss of 4.02;
+    the bound of 5 leaves room for a retrained model and none for an untrained one."""
+    llm = LLM("tiny", device="cpu", dtype="float32")
+    ids = llm.tokenizer.encode(SPEECH)
+    logits = llm.logits(ids)
+    loss = torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:])).item()
+    assert loss < 5.0
 
 
 def test_text_in_text_out_and_same_greedy_tokens_as_transformers():
