@@ -25,10 +25,6 @@ PENDING = {
                      "llm.LLM", "kv_cache.SequenceBatch", "kv_cache.LatentCache"], "09"),
     **dict.fromkeys(["mla.MLA.decode_attention"], "10"),
     **dict.fromkeys(["mla.write_latent_cache"], "12"),
-    **dict.fromkeys(["tiny.train_tokenizer", "tiny.build", "corpus.works_from_sdist", "corpus.join_works",
-                     "corpus.split_train_val", "corpus.download_shakespeare", "train_tiny.TrainSettings",
-                     "train_tiny.random_windows", "train_tiny.learning_rate", "train_tiny.train", "train_tiny.main",
-                     "train_tiny.save_checkpoint"], "A"),
 }
 CHAPTERS = {f"{i:02d}" for i in range(15)} | set("ABCD")
 
@@ -61,8 +57,8 @@ def shows() -> dict[str, set[str]]:
     items = public_items()
     modules = {k.split(".")[0] for k in items}
     covered = defaultdict(set)
-    for nb in sorted((ROOT / "notebooks").glob("[0-9A-D][0-9]_*.ipynb")):
-        chapter = nb.name[:2]
+    for nb in sorted((ROOT / "notebooks").glob("[0-9A-D]*_*.ipynb")):
+        chapter = nb.name.split("_")[0]
         code = "\n".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
         for f in re.findall(r"show_kernel\(\s*[\"']([^\"']+)[\"']", code):
             covered[f].add(chapter)
