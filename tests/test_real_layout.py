@@ -32,66 +32,11 @@ from dsv2_lib.checkpoint import CheckpointError, checkpoint_files
 from dsv2_lib.config import config_from_dict, load_config
 from dsv2_lib.random_checkpoint import hub_tensor_shapes, write_random_checkpoint
 from dsv2_lib.tokenizer import BOS, EOS, apply_chat_template
+from hub_files import HUB_CONFIG_JSON
 
 # ---- the real files' content --------------------------------------------------------------------
 
-REAL_CONFIG = {  # deepseek-ai/DeepSeek-V2-Lite-Chat/config.json, keys in the file's (sorted) order
-    "architectures": ["DeepseekV2ForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "auto_map": {
-        "AutoConfig": "configuration_deepseek.DeepseekV2Config",
-        "AutoModel": "modeling_deepseek.DeepseekV2Model",
-        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV2ForCausalLM",
-    },
-    "aux_loss_alpha": 0.001,
-    "bos_token_id": 100000,
-    "eos_token_id": 100001,
-    "first_k_dense_replace": 1,
-    "hidden_act": "silu",
-    "hidden_size": 2048,
-    "initializer_range": 0.02,
-    "intermediate_size": 10944,
-    "kv_lora_rank": 512,
-    "max_position_embeddings": 163840,
-    "model_type": "deepseek_v2",
-    "moe_intermediate_size": 1408,
-    "moe_layer_freq": 1,
-    "n_group": 1,
-    "n_routed_experts": 64,
-    "n_shared_experts": 2,
-    "norm_topk_prob": False,
-    "num_attention_heads": 16,
-    "num_experts_per_tok": 6,
-    "num_hidden_layers": 27,
-    "num_key_value_heads": 16,
-    "pretraining_tp": 1,
-    "q_lora_rank": None,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": {
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "factor": 40,
-        "mscale": 0.707,
-        "mscale_all_dim": 0.707,
-        "original_max_position_embeddings": 4096,
-        "type": "yarn",
-    },
-    "rope_theta": 10000,
-    "routed_scaling_factor": 1.0,
-    "scoring_func": "softmax",
-    "seq_aux": True,
-    "tie_word_embeddings": False,
-    "topk_group": 1,
-    "topk_method": "greedy",
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.33.1",
-    "use_cache": True,
-    "v_head_dim": 128,
-    "vocab_size": 102400,
-}
+REAL_CONFIG = json.loads(HUB_CONFIG_JSON)  # deepseek-ai/DeepSeek-V2-Lite(-Chat)/config.json
 
 REAL_GENERATION_CONFIG = {  # generation_config.json (181 bytes on the Hub, as json.dumps(indent=2) + "\n" gives)
     "_from_model_config": True,
@@ -214,13 +159,6 @@ def ours(real_layout) -> LLM:
 
 
 # ---- the config --------------------------------------------------------------------------------
-
-
-def test_real_config_json_reads_as_the_deepseek_v2_lite_preset(tmp_path):
-    """The unshrunk config.json, alone in a directory, gives exactly the preset the course uses."""
-    (tmp_path / "config.json").write_text(json.dumps(REAL_CONFIG, indent=2))
-    assert load_config(tmp_path) == DEEPSEEK_V2_LITE
-    assert round(DEEPSEEK_V2_LITE.softmax_scale, 6) == 0.114721
 
 
 def test_gpu_test_writes_the_real_config_values():
