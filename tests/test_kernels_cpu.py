@@ -1,7 +1,9 @@
 """Kernel plumbing that needs no GPU: backend selection and a compile check of every .cu file.
 
 The compile check builds, with the machine's nvcc for sm_90, exactly the template instantiations
-the engine asks NVRTC for at run time, so a syntax or type error in kernels_cu/ fails CI.
+the engine asks NVRTC for at run time, so a syntax or type error in kernels_cu/ fails CI. nvcc
+pulls in <math.h> through cuda_runtime.h, NVRTC does not: the check undefines the math macros a
+kernel might use by habit (INFINITY, NAN, HUGE_VALF), so such a use fails here as it would there.
 """
 import importlib
 import pkgutil
@@ -34,6 +36,7 @@ def test_kernel_file_compiles_for_sm90(filename, tmp_path):
     kf = all_kernel_files()[filename]
     unit = tmp_path / "instantiate.cu"
     unit.write_text(
+        "#include <cuda_runtime.h>\n#undef INFINITY\n#undef NAN\n#undef HUGE_VALF\n"  # as under NVRTC
         f'#include "{filename}"\n'
         + "".join(f"static const void* k{i} = (const void*)&{name};\n" for i, name in enumerate(kf.names))
     )
