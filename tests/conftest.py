@@ -10,3 +10,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def kernels_on(monkeypatch):
+    """``DSV2_BACKEND=cuda`` for the test: every op must take its CUDA kernel, and an op that cannot
+    (no CuPy, a CPU tensor) fails instead of quietly testing the PyTorch reference. The kernel test
+    files use it for every test (``pytest.mark.usefixtures("kernels_on")``)."""
+    monkeypatch.setenv("DSV2_BACKEND", "cuda")

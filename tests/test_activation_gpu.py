@@ -18,7 +18,7 @@ import torch
 from dsv2_lib import kernels
 from dsv2_lib.mlp import silu_and_mul, silu_and_mul_reference
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 
 ULP = {torch.float32: 2**-21, torch.float16: 2**-10, torch.bfloat16: 2**-7}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -39,11 +39,6 @@ def close(a, b, dtype):
 def gate_up(rows, i, dtype):
     """Gates spread over where silu bends (±6), up values of either sign."""
     return torch.cat([torch.randn(rows, i, device="cuda") * 3, torch.randn(rows, i, device="cuda")], dim=-1).to(dtype)
-
-
-@pytest.fixture(autouse=True)
-def kernels_on(monkeypatch):
-    monkeypatch.setenv("DSV2_BACKEND", "cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -11,16 +11,11 @@ import torch
 from dsv2_lib import embedding as emb
 from dsv2_lib.embedding import embedding, embedding_reference
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HIDDEN = [2048, 576, 33, 1000, 8]
 TOKENS = [0, 1, 7, 4096]
-
-
-@pytest.fixture(autouse=True)
-def kernels_on(monkeypatch):
-    monkeypatch.setenv("DSV2_BACKEND", "cuda")
 
 
 def random_ids(T, V):

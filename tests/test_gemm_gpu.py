@@ -24,7 +24,7 @@ import torch
 from dsv2_lib import kernels
 from dsv2_lib.gemm import tiled_matmul, tiled_matmul_reference
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 
 P = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -41,11 +41,6 @@ def assert_close(c, a, b):
     err = (c.double() - exact).abs()
     assert c.shape == exact.shape and c.dtype == a.dtype
     assert bool((err <= tol).all()), f"max err {err.max().item():.3g}, worst err/tol {(err / tol.clamp(min=1e-30)).max().item():.3g}"
-
-
-@pytest.fixture(autouse=True)
-def kernels_on(monkeypatch):
-    monkeypatch.setenv("DSV2_BACKEND", "cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -14,7 +14,7 @@ import torch
 from dsv2_lib import kernels
 from dsv2_lib.norm import fused_add_rms_norm, fused_add_rms_norm_reference, rms_norm, rms_norm_reference
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 
 ULP = {torch.float32: 2e-6, torch.float16: 2**-10, torch.bfloat16: 2**-7}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -26,11 +26,6 @@ def close(a, b, dtype):
     """Within two output ulps, relative to each element's magnitude (see the module docstring)."""
     err = (a.float() - b.float()).abs()
     return bool((err <= 2 * ULP[dtype] * b.float().abs().clamp(min=1e-3)).all())
-
-
-@pytest.fixture(autouse=True)
-def kernels_on(monkeypatch):
-    monkeypatch.setenv("DSV2_BACKEND", "cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

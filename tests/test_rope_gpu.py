@@ -14,7 +14,7 @@ import torch
 from dsv2_lib.config import DEEPSEEK_V2_LITE
 from dsv2_lib.rope import apply_rope_, apply_rope_reference_, rope_cos_sin_cache
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 P = DEEPSEEK_V2_LITE.max_position_embeddings  # 163840
@@ -23,11 +23,6 @@ P = DEEPSEEK_V2_LITE.max_position_embeddings  # 163840
 @pytest.fixture(scope="module")
 def table():
     return rope_cos_sin_cache(DEEPSEEK_V2_LITE, P, "cuda")
-
-
-@pytest.fixture(autouse=True)
-def kernels_on(monkeypatch):
-    monkeypatch.setenv("DSV2_BACKEND", "cuda")
 
 
 def random_positions(T, seed=0):
