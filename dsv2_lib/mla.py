@@ -14,11 +14,15 @@ directly over the 576-wide cache rows.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
+from . import attention, kernels
 from .config import ModelConfig
 from .kv_cache import SequenceBatch
+from .mla_decode import mla_decode, mla_decode_query_dtype
 from .norm import RMSNorm
 from .rope import apply_rope_
 from .weights import Linear, upcast
@@ -98,9 +102,28 @@ class MLA(nn.Module):
     def prefill_attention(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: SequenceBatch, cache: torch.Tensor
     ) -> torch.Tensor:
-        """Decompress each sequence's cached latents with ``kv_b_proj`` and attend causally: ``[T, h, v_head]``."""
+        """Decompress each sequence's cached latents with ``kv_b_proj`` and attend causally: ``[T, h, v_head]``.
+
+        CUDA tensors: all sequences' latents are decompressed by one GEMM and attended by
+        :func:`attention.prefill_attention` (our kernel or SDPA, chapter 06), with ``k_pe`` passed once
+        per token instead of expanded to every head. Otherwise (the reference path) one sequence at a
+        time with :func:`causal_attention`.
+        """
         c, h = self.cfg, self.cfg.num_attention_heads
-        q = torch.cat([q_nope, q_pe], dim=-1)
+        if (q_nope.stride() == q_pe.stride() and q_nope.stride(-1) == 1 and q_nope.dtype == q_pe.dtype
+                and q_pe.data_ptr() == q_nope.data_ptr() + q_nope.shape[-1] * q_nope.element_size()):
+            # the two halves of one [T, h, 192] tensor (project_q's split): view it again, copy nothing
+            q = torch.as_strided(q_nope, (*q_nope.shape[:-1], q_nope.shape[-1] + q_pe.shape[-1]), q_nope.stride())
+        else:
+            q = torch.cat([q_nope, q_pe], dim=-1)
+        if kernels.use_kernels(q):
+            rows = torch.cat([cache[slot, : start + n] for slot, start, n in zip(batch.slots, batch.starts, batch.lens)])
+            latent, k_pe = rows.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+            kv = self.kv_b_proj(latent).view(-1, h, c.qk_nope_head_dim + c.v_head_dim)
+            k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+            cu_q = [0, *itertools.accumulate(batch.lens)]
+            cu_k = [0, *itertools.accumulate(s + n for s, n in zip(batch.starts, batch.lens))]
+            return attention.prefill_attention(q, k_nope, k_pe, v, cu_q, cu_k, c.softmax_scale)
         outs, offset = [], 0
         for slot, start, n in zip(batch.slots, batch.starts, batch.lens):
             rows = cache[slot, : start + n]
@@ -115,21 +138,20 @@ class MLA(nn.Module):
     def decode_attention(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: SequenceBatch, cache: torch.Tensor
     ) -> torch.Tensor:
-        """Attention on the latent cache with ``W_k``/``W_v`` absorbed (fp32 or wider): ``[T, h, v_head]``.
+        """Attention on the latent cache with ``W_k``/``W_v`` absorbed: ``[T, h, v_head]``.
 
         ``q_lat = W_kᵀ q_nope [T, h, kv_lora]``; scores against each cached row ``[latent | k_pe]``
-        are ``q_lat · latent + q_pe · k_pe``; the softmax-weighted sum of latents is mapped to each
-        head's value space by ``W_v`` once at the end.
+        are ``q_lat · latent + q_pe · k_pe`` (:func:`~dsv2_lib.mla_decode.mla_decode`: the kernel for
+        CUDA tensors, else the fp32 reference); the softmax-weighted sum of latents is mapped to each
+        head's value space by ``W_v`` once at the end. Token ``i`` of a sequence at ``start`` attends
+        over its slot's first ``start + i + 1`` rows.
         """
         c = self.cfg
         w_k, w_v = self.split_kv_b()
-        q_lat = torch.einsum("thn,hnc->thc", upcast(q_nope), upcast(w_k))
-        query = torch.cat([q_lat, upcast(q_pe)], dim=-1)  # [T, h, row_dim]: one dot product per cached row
-        outs, offset = [], 0
-        for slot, start, n in zip(batch.slots, batch.starts, batch.lens):
-            rows = upcast(cache[slot, : start + n])[:, None, :].expand(-1, c.num_attention_heads, -1)
-            latents = rows[..., : c.kv_lora_rank]
-            outs.append(causal_attention(query[offset : offset + n], rows, latents, start, c.softmax_scale))
-            offset += n
-        out_lat = torch.cat(outs)  # [T, h, kv_lora]
-        return torch.einsum("thc,hvc->thv", out_lat, upcast(w_v))
+        dtype = mla_decode_query_dtype(cache, c.kv_lora_rank)  # the model dtype on the kernel path, else fp32
+        q_lat = torch.einsum("thn,hnc->thc", q_nope.to(dtype), w_k.to(dtype))
+        query = torch.cat([q_lat, q_pe.to(dtype)], dim=-1)  # [T, h, row_dim]: one dot product per cached row
+        slots = tuple(s for s, n in zip(batch.slots, batch.lens) for _ in range(n))
+        lengths = tuple(start + i + 1 for start, n in zip(batch.starts, batch.lens) for i in range(n))
+        out_lat = mla_decode(query, cache, slots, lengths, c.softmax_scale, c.kv_lora_rank)  # [T, h, kv_lora] fp32
+        return torch.einsum("thc,hvc->thv", out_lat.to(dtype), w_v.to(dtype))

@@ -1,14 +1,76 @@
 """DeepSeekMoE: an fp32 softmax router picks ``k`` of ``E`` routed experts per token; two shared
-experts see every token. This is the reference (sort by expert, one matmul pair per expert)."""
+experts see every token.
+
+``route``, ``moe_align_reference`` and ``routed_experts`` are the PyTorch reference (the semantic
+definition: sort the choices by expert, one matmul pair per expert). ``topk_softmax``, ``moe_align``
+and ``moe_experts`` dispatch to the CUDA kernels of ``kernels_cu/moe.cu`` for CUDA tensors:
+
+* router: one warp per token (softmax, greedy or group-limited top-k, renormalise or scale);
+* alignment: the T·k choices sorted by expert, each expert's segment padded to a tile, no host sync;
+* experts, three regimes chosen by the token count T (constants below):
+  T <= ``GEMV_MAX_TOKENS`` (and every fp32 input): GEMV kernels that stream the selected experts'
+  weights over the whole GPU; T >= ``GROUPED_MM_MIN_TOKENS`` (bf16): ``torch._grouped_mm`` (cuBLAS)
+  on the aligned rows; in between: our grouped tensor-core GEMM (bf16/fp16, ``mma.sync``);
+* combine: the weighted sum back to token order, in a fixed order (deterministic), plus the shared
+  experts' output.
+
+The GEMV regime has two kernels (``GEMV_KERNEL``): ``"per_choice"``, the first version (one block row
+per (token, choice): an expert chosen by several tokens is read once per choice), and ``"grouped"``
+(default): the choices grouped by expert into work items of up to ``GEMV_TB`` tokens, so every
+selected expert's weights are read once; the shared experts are more work items of the same
+launches. ``MoE.forward`` then runs the whole layer for a few tokens as ``moe_decode``: router GEMM,
+one router+items kernel (which also runs the shared experts' gate|up), gate|up GEMV, down GEMV, combine.
+"""
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import ModelConfig
+from .kernels import CUDA_TYPE
 from .mlp import MLP, silu_and_mul
 from .weights import empty_param, upcast
+
+# Thresholds, from tests/bench_moe.py on the H200 (it prints the sweep that re-sets them: every path
+# forced at 1 ... 4096 tokens, and its recommendation). Measured 2026-11-29 with the per-choice GEMV:
+# it beat both grouped GEMMs up to 16 tokens, and torch._grouped_mm beat our mma kernel at EVERY size
+# (1 ... 4096), so for bf16 the engine goes straight from the GEMV to torch._grouped_mm; our mma
+# kernel remains the taught kernel and the fp16 path. The grouped GEMV reads each selected expert once,
+# so it stays weight-read-bound to a few dozen tokens: GEMV_MAX_TOKENS = 32 until the bench re-sets it.
+GEMV_MAX_TOKENS = 32         # up to this many tokens: the GEMV kernels
+GROUPED_MM_MIN_TOKENS = 1    # beyond the GEMV, bf16 always takes torch._grouped_mm (measured faster than mma)
+GROUPED_MM_ALIGN = 8         # rows per expert segment are padded to this for torch._grouped_mm
+FP32_GEMV_MAX_TOKENS = 64    # fp32 has no tensor-core path here: GEMV kernels up to this, the reference beyond
+GEMV_KERNEL = "grouped"      # "grouped" (each selected expert read once) or "per_choice" (the first version)
+GEMV_TB = 8                  # choices per work item of the grouped GEMV (GEMV_TB in moe.cu)
+GEMV_WARPS = 8               # warps per block of the grouped GEMV kernels (1..8: __launch_bounds__(256))
+GEMV_COLS_PER_WARP = 1       # output columns per warp of the grouped GEMV (grid y = cols / (warps * this))
+SHARED_IN_ROUTER = True      # moe_decode: the shared experts' gate|up runs in the router kernel's launch
+ROUTER_THREADS = 256         # block of moe_route_gemv (block 0 routes, one warp per token; the rest: shared gate|up)
+TILE_M = 64                  # rows per tile of our grouped GEMM (BM in moe.cu)
+GEMM_N = {"gate_up": 64, "down": 128}  # output columns per block (BN/2 and BN in moe.cu)
+GEMV_ROWS = 16               # output columns per GEMV block (moe.cu)
+MAX_EXPERTS = 256            # 32 lanes x ROUTER_PER_LANE (moe.cu); also bounds moe_align's shared memory
+MAX_TOPK = 32                # one lane per pick in the router
+ALIGN_THREADS = 1024         # moe_align runs as one block of 32 warps
+
+MOE_CU = kernels.declare(
+    "moe.cu",
+    ["topk_softmax", "moe_align"]
+    + [f"moe_gemm<{t}, {g}>" for t in ("__nv_bfloat16", "__half") for g in ("true", "false")]
+    + [f"{k}<{t}>" for k in ("moe_gemv_gate_up", "moe_gemv_down", "moe_combine", "moe_route_gemv") for t in CUDA_TYPE.values()]
+    + [f"moe_gemv_grouped<{t}, {g}>" for t in CUDA_TYPE.values() for g in ("true", "false")] + ["moe_gemv_items"],
+)
+
+
+def topk_lowest_id(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the last dim, descending; among equal scores the lowest index first (a stable sort,
+    so ties are decided the same way on every device and by the kernel)."""
+    values, indices = scores.sort(dim=-1, descending=True, stable=True)
+    return values[..., :k].contiguous(), indices[..., :k].contiguous()
 
 
 def route(logits: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -18,22 +80,62 @@ def route(logits: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.T
     (keep the ``topk_group`` groups with the best single expert, pick top-k inside them). Then, as
     DeepSeek's own modelling code does it: renormalise the k weights when ``norm_topk_prob`` and
     k > 1, otherwise multiply them by ``routed_scaling_factor``.
+
+    Ties: among equal scores the lowest expert id is picked first (and the lowest group id among
+    groups with equal best scores), so the choice is defined even where ``torch.topk`` would not say.
     """
     scores = upcast(logits).softmax(dim=-1)
     k = cfg.num_experts_per_tok
     if cfg.topk_method == "group_limited_greedy":
         t, e = scores.shape
         groups = scores.view(t, cfg.n_group, e // cfg.n_group)
-        best_groups = groups.amax(dim=-1).topk(cfg.topk_group, dim=-1).indices
+        best_groups = topk_lowest_id(groups.amax(dim=-1), cfg.topk_group)[1]
         keep = torch.zeros(t, cfg.n_group, dtype=torch.bool, device=scores.device)
         keep.scatter_(1, best_groups, True)
         scores = (groups * keep[..., None]).view(t, e)
-    weights, ids = scores.topk(k, dim=-1)
+    weights, ids = topk_lowest_id(scores, k)
     if k > 1 and cfg.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     else:
         weights = weights * cfg.routed_scaling_factor
     return weights, ids
+
+
+def moe_align_reference(ids: torch.Tensor, n_experts: int, block: int):
+    """Sort the ``T·k`` choices of ``ids [T, k]`` by expert and pad each expert's segment to ``block`` rows.
+
+    Choice ``c = t·k + j`` is token ``t``'s ``j``-th pick. Returns four int32 tensors of fixed size
+    (the worst case, so the GPU version needs no host synchronisation):
+
+    * ``sorted_rows [cap]``: the choice at each sorted position, ``-1`` for padding; inside an expert's
+      segment the choices keep their order (by token);
+    * ``slot_of [T·k]``: the position of each choice in ``sorted_rows`` (its inverse);
+    * ``tile_expert [max_tiles]``: the expert of each ``block``-row tile, ``-1`` past the last segment;
+    * ``offsets [E + 1]``: where each expert's padded segment starts; ``offsets[E]`` = rows used.
+
+    with ``max_tiles = (T·k + E·(block - 1)) // block`` and ``cap = max_tiles · block``.
+    """
+    flat = ids.flatten()
+    n = flat.numel()
+    if n and (int(flat.min()) < 0 or int(flat.max()) >= n_experts):
+        raise ValueError(f"moe_align: expert ids must be in [0, {n_experts}), got {int(flat.min())}..{int(flat.max())}")
+    dev = ids.device
+    counts = torch.bincount(flat, minlength=n_experts)
+    offsets = torch.zeros(n_experts + 1, dtype=torch.int64, device=dev)
+    offsets[1:] = torch.cumsum((counts + block - 1) // block * block, 0)
+    max_tiles = (n + n_experts * (block - 1)) // block
+    order = flat.argsort(stable=True)              # choices grouped by expert, in token order
+    expert = flat[order]
+    first = torch.cumsum(counts, 0) - counts       # unpadded start of each expert
+    pos = offsets[:-1][expert] + torch.arange(n, device=dev) - first[expert]
+    sorted_rows = torch.full((max_tiles * block,), -1, dtype=torch.int64, device=dev)
+    sorted_rows[pos] = order
+    slot_of = torch.empty(n, dtype=torch.int64, device=dev)
+    slot_of[order] = pos
+    tiles = torch.arange(max_tiles, device=dev) * block
+    tile_expert = torch.searchsorted(offsets[1:], tiles, right=True)
+    tile_expert[tiles >= offsets[-1]] = -1
+    return tuple(t.to(torch.int32) for t in (sorted_rows, slot_of, tile_expert, offsets))
 
 
 def routed_experts(
@@ -47,26 +149,332 @@ def routed_experts(
     ``gate_up_proj [E, 2I, H]`` (each expert's gate rows, then its up rows) and ``down_proj [E, H, I]``.
     Accumulates in fp32 (or wider).
 
-    Reference algorithm: flatten the T·k (token, expert) choices, sort them by expert so each
-    expert's tokens are contiguous, run each expert once on its rows, scatter-add back.
+    Reference algorithm: sort the T·k (token, expert) choices by expert (``moe_align_reference`` with
+    no padding), run each expert once on its rows, scatter-add back in fp32, round once.
     """
     t, k = ids.shape
-    flat_ids = ids.flatten()
-    order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
-    token_of = order // k
+    sorted_rows, _, _, offsets = moe_align_reference(ids, gate_up_proj.shape[0], 1)
+    sorted_rows, offsets = sorted_rows.long(), offsets.tolist()
     out = torch.zeros(t, x.shape[1], dtype=upcast(x).dtype, device=x.device)
-    start = 0
-    for expert, n in enumerate(counts):
-        if n == 0:
+    for expert in range(gate_up_proj.shape[0]):
+        rows = sorted_rows[offsets[expert] : offsets[expert + 1]]  # this expert's choices t*k + j
+        if rows.numel() == 0:
             continue
-        rows = order[start : start + n]
-        tokens = token_of[start : start + n]
+        tokens = rows // k
         h = silu_and_mul(F.linear(x[tokens], gate_up_proj[expert]))  # [n, 2I] -> [n, I]
         y = upcast(F.linear(h, down_proj[expert])) * weights.flatten()[rows, None]
         out.index_add_(0, tokens, y)
-        start += n
     return out.to(x.dtype)
+
+
+def gemv_items_reference(ids: torch.Tensor, n_experts: int, tb: int = GEMV_TB):
+    """The work items of the grouped GEMV (``build_items`` in moe.cu) for ``ids [T, k]``.
+
+    Returns ``sorted [n_valid]`` (the valid choices ``t·k + j`` sorted by expert, by token inside an
+    expert; ids outside ``[0, E)`` are dropped) and ``items [n_items, 3]`` = (expert, first position in
+    ``sorted``, count <= ``tb``): each expert's segment cut into pieces of at most ``tb`` choices, in
+    expert order. int32. There are at most ``min(E, T·k) + T·k // tb`` items.
+    """
+    flat = ids.flatten()
+    valid = (flat >= 0) & (flat < n_experts)
+    order = torch.nonzero(valid).flatten()
+    order = order[flat[order].argsort(stable=True)]
+    counts = torch.bincount(flat[order], minlength=n_experts).tolist()
+    items, start = [], 0
+    for e, c in enumerate(counts):
+        items += [(e, start + q, min(tb, c - q)) for q in range(0, c, tb)]
+        start += c
+    return order.to(torch.int32), torch.tensor(items, dtype=torch.int32, device=ids.device).view(-1, 3)
+
+
+def _gemv_max_items(n: int, n_experts: int, tb: int = GEMV_TB) -> int:
+    """Upper bound on the items of n choices: sum_e ceil(c_e / tb) <= min(E, n) + n // tb."""
+    return min(n_experts, n) + n // tb
+
+
+# ---- the CUDA path ---------------------------------------------------------------------------------
+def topk_softmax(logits: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router (:func:`route`'s semantics): the ``topk_softmax`` kernel for fp32 CUDA logits ``[T, E]``.
+
+    Returns (weights ``[T, k]`` fp32, ids ``[T, k]`` int64); other dtypes and CPU tensors take ``route``.
+    """
+    if not kernels.use_kernels(logits) or logits.dtype != torch.float32:
+        return route(logits, cfg)
+    t, e = logits.shape if logits.dim() == 2 else (None, None)
+    kernels.check(logits, "topk_softmax logits", dtype=torch.float32, shape=(None, cfg.n_routed_experts))
+    k = cfg.num_experts_per_tok
+    if not 0 < k <= min(e, MAX_TOPK) or e > MAX_EXPERTS:
+        raise ValueError(f"topk_softmax: needs 0 < k <= min(E, {MAX_TOPK}) and E <= {MAX_EXPERTS}, got k={k}, E={e}")
+    n_group = topk_group = 0
+    if cfg.topk_method == "group_limited_greedy":
+        n_group, topk_group = cfg.n_group, cfg.topk_group
+        if not (0 < n_group <= 32 and e % n_group == 0 and 0 < topk_group <= n_group and k <= topk_group * (e // n_group)):
+            raise ValueError(f"topk_softmax: bad groups n_group={n_group}, topk_group={topk_group} for E={e}, k={k}")
+    weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
+    if t:
+        warps = 4
+        kernels.launch(MOE_CU.function("topk_softmax", logits.device), (-(-t // warps),), (32 * warps,),
+                       (kernels.ptr(weights), kernels.ptr(ids), kernels.ptr(logits), np.int32(t), np.int32(e),
+                        np.int32(k), np.int32(n_group), np.int32(topk_group),
+                        np.int32(k > 1 and cfg.norm_topk_prob), np.float32(cfg.routed_scaling_factor)))
+    return weights, ids
+
+
+def moe_align(ids: torch.Tensor, n_experts: int, block: int):
+    """:func:`moe_align_reference` on the GPU: one block, three passes (count, prefix sum, stable
+    scatter), outputs of the worst-case size, no host synchronisation. Ids outside ``[0, E)`` are
+    dropped (slot ``-1``) instead of refused: checking them would need a sync."""
+    if not kernels.use_kernels(ids):
+        return moe_align_reference(ids, n_experts, block)
+    kernels.check(ids, "moe_align ids", dtype=torch.int64, shape=(None, None))
+    if not 0 < n_experts <= MAX_EXPERTS or block < 1:
+        raise ValueError(f"moe_align: needs 0 < n_experts <= {MAX_EXPERTS} and block >= 1, got {n_experts}, {block}")
+    n = ids.numel()
+    max_tiles = (n + n_experts * (block - 1)) // block
+    if max_tiles * block >= 1 << 31:
+        raise ValueError(f"moe_align: {n} choices are too many for int32 positions")
+    dev = ids.device
+    sorted_rows = torch.empty(max_tiles * block, dtype=torch.int32, device=dev)
+    slot_of = torch.empty(n, dtype=torch.int32, device=dev)
+    tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
+    offsets = torch.empty(n_experts + 1, dtype=torch.int32, device=dev)
+    kernels.launch(MOE_CU.function("moe_align", dev), (1,), (ALIGN_THREADS,),
+                   (kernels.ptr(sorted_rows), kernels.ptr(slot_of), kernels.ptr(tile_expert), kernels.ptr(offsets),
+                    kernels.ptr(ids), np.int32(n), np.int32(n_experts), np.int32(block), np.int32(max_tiles),
+                    np.int32(max_tiles * block)),
+                   shared_mem=(32 * n_experts + n_experts + 1) * 4)
+    return sorted_rows, slot_of, tile_expert, offsets
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+                down_proj: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """``routed_experts(x, weights, ids, ...)`` (+ ``shared [T, H]``, the shared experts' output, added in
+    x's dtype): the kernels for CUDA tensors, else the reference.
+
+    ``x [T, H]``, ``weights [T, k]`` fp32, ``ids [T, k]`` int64, ``gate_up_proj [E, 2I, H]``,
+    ``down_proj [E, H, I]``, all contiguous. The kernel path needs H and I multiples of 8, 16-byte
+    aligned tensors and E <= 256 (else the reference); fp32 takes the GEMV kernels up to
+    ``FP32_GEMV_MAX_TOKENS`` tokens and the reference (cuBLAS per expert) beyond: the tensor-core
+    kernels here take bf16/fp16 only.
+    """
+    def reference():
+        out = routed_experts(x, weights, ids, gate_up_proj, down_proj)
+        return out if shared is None else out + shared
+
+    if not kernels.use_kernels(x) or x.dtype not in CUDA_TYPE:
+        return reference()
+    e, i2, h = gate_up_proj.shape if gate_up_proj.dim() == 3 else (0, 0, 0)
+    i = i2 // 2
+    t, k = ids.shape if ids.dim() == 2 else (0, 0)
+    kernels.check(gate_up_proj, "moe_experts gate_up_proj", dtype=x.dtype, shape=(None, None, None), device=x.device)
+    kernels.check(x, "moe_experts x", shape=(None, h))
+    kernels.check(down_proj, "moe_experts down_proj", dtype=x.dtype, shape=(e, h, i), device=x.device)
+    kernels.check(ids, "moe_experts ids", dtype=torch.int64, shape=(x.shape[0], None), device=x.device)
+    kernels.check(weights, "moe_experts weights", dtype=torch.float32, shape=(t, k), device=x.device)
+    if shared is not None:
+        kernels.check(shared, "moe_experts shared", dtype=x.dtype, shape=(t, h), device=x.device)
+    if i2 % 2 or not 0 < k <= e:
+        raise ValueError(f"moe_experts: gate_up_proj [E, 2I, H] with 0 < k <= E, got {list(gate_up_proj.shape)}, k={k}")
+    if e > MAX_EXPERTS or h % 8 or i % 8 or h * 4 > 48 * 1024 or i * 4 > 48 * 1024 \
+            or not kernels.aligned16(x, gate_up_proj, down_proj) \
+            or (x.dtype == torch.float32 and t > FP32_GEMV_MAX_TOKENS):
+        return reference()
+    if t == 0:
+        return x.new_zeros(0, h) if shared is None else shared.clone()
+    if x.dtype == torch.float32 or t <= GEMV_MAX_TOKENS:
+        if GEMV_KERNEL == "grouped" and _items_fit(t * k, e):
+            return _gemv_grouped(x, weights, ids, gate_up_proj, down_proj, moe_gemv_items(ids, e), shared=shared)
+        y, slot_of = _gemv_experts(x, ids, gate_up_proj, down_proj), None
+    elif t >= GROUPED_MM_MIN_TOKENS and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        y, slot_of = _grouped_mm_experts(x, ids, gate_up_proj, down_proj)
+    else:
+        y, slot_of = _mma_experts(x, ids, gate_up_proj, down_proj)
+    return _combine(y, weights, slot_of, shared)
+
+
+def _gemv_experts(x, ids, gate_up_proj, down_proj) -> torch.Tensor:
+    """y [T·k, H] in choice order: two GEMV launches, blocks = choices x slabs of 16 output columns."""
+    (t, k), (e, i2, h) = ids.shape, gate_up_proj.shape
+    i, ct = i2 // 2, CUDA_TYPE[x.dtype]
+    hid = torch.empty(t * k, i, dtype=x.dtype, device=x.device)
+    y = torch.empty(t * k, h, dtype=x.dtype, device=x.device)
+    kernels.launch(MOE_CU.function(f"moe_gemv_gate_up<{ct}>", x.device), (t * k, -(-i // GEMV_ROWS)), (256,),
+                   (kernels.ptr(hid), kernels.ptr(x), kernels.ptr(gate_up_proj), kernels.ptr(ids),
+                    np.int32(k), np.int32(e), np.int32(h), np.int32(i)), shared_mem=4 * h)
+    kernels.launch(MOE_CU.function(f"moe_gemv_down<{ct}>", x.device), (t * k, -(-h // GEMV_ROWS)), (256,),
+                   (kernels.ptr(y), kernels.ptr(hid), kernels.ptr(down_proj), kernels.ptr(ids),
+                    np.int32(e), np.int32(h), np.int32(i)), shared_mem=4 * i)
+    return y
+
+
+def _items_fit(n: int, n_experts: int) -> bool:
+    """build_items keeps n ids and 3E counters in shared memory (48 KiB without opting in)."""
+    return (n + 3 * n_experts) * 4 <= 48 * 1024
+
+
+def _items_workspace(n: int, n_experts: int, dev):
+    """(sorted [n], items [3 max_items], n_items [1], max_items): filled by build_items on the GPU."""
+    max_items = _gemv_max_items(n, n_experts)
+    return (torch.empty(n, dtype=torch.int32, device=dev), torch.empty(3 * max_items, dtype=torch.int32, device=dev),
+            torch.empty(1, dtype=torch.int32, device=dev), max_items)
+
+
+def moe_gemv_items(ids: torch.Tensor, n_experts: int):
+    """The grouped GEMV's work items of ``ids [T, k]`` on the GPU (one block, no host sync):
+    ``(sorted, items, n_items, max_items)``; ``sorted[:n_valid]`` and ``items[:3·n_items]`` are
+    :func:`gemv_items_reference`'s, the rest is unused scratch."""
+    kernels.check(ids, "moe_gemv_items ids", dtype=torch.int64, shape=(None, None))
+    n = ids.numel()
+    if not 0 < n_experts <= MAX_EXPERTS or not _items_fit(n, n_experts):
+        raise ValueError(f"moe_gemv_items: needs 0 < n_experts <= {MAX_EXPERTS} and (T*k + 3E) * 4 <= 48 KiB")
+    work = _items_workspace(n, n_experts, ids.device)
+    kernels.launch(MOE_CU.function("moe_gemv_items", ids.device), (1,), (ALIGN_THREADS,),
+                   (kernels.ptr(work[0]), kernels.ptr(work[1]), kernels.ptr(work[2]), kernels.ptr(ids),
+                    np.int32(n), np.int32(n_experts)), shared_mem=(n + 3 * n_experts) * 4)
+    return work
+
+
+def _gemv_grouped(x, weights, ids, gate_up_proj, down_proj, work, shared=None, shared_w=None, h_sh=None):
+    """Routed experts (+ shared) for a few tokens with the grouped GEMV kernels, then the combine.
+
+    ``work``: the items (:func:`moe_gemv_items` or the router kernel). ``shared [T, H]``: a finished
+    shared-experts output to add; or ``shared_w = (gate_up [2·S·I, H], down [H, S·I])``: the shared MLP
+    computed here as S·(token chunks) more slots of the same launches (``h_sh``: its gate|up output,
+    when the router kernel already computed it)."""
+    (t, k), (e, i2, h) = ids.shape, gate_up_proj.shape
+    i, ct, dev = i2 // 2, CUDA_TYPE[x.dtype], x.device
+    sorted_rows, items, n_items, max_items = work
+    nw, cpw = GEMV_WARPS, GEMV_COLS_PER_WARP
+    if not 1 <= nw <= 8 or cpw < 1:
+        raise ValueError(f"GEMV_WARPS must be in 1..8 and GEMV_COLS_PER_WARP >= 1, got {nw}, {cpw}")
+    n_chunks = -(-t // GEMV_TB)
+    none = np.uint64(0)
+    s_parts, gu_sh, dn_sh, y_sh, gate_up_shared_slots = 0, none, none, None, 0
+    if shared_w is not None:
+        s_parts = shared_w[0].shape[0] // i2
+        dn_sh = kernels.ptr(shared_w[1])
+        y_sh = torch.empty(t, h, dtype=x.dtype, device=dev)
+        if h_sh is None:
+            h_sh = torch.empty(t, s_parts * i, dtype=x.dtype, device=dev)
+            gu_sh, gate_up_shared_slots = kernels.ptr(shared_w[0]), s_parts * n_chunks
+    hid = torch.empty(t * k, i, dtype=x.dtype, device=dev)
+    y = torch.empty(t * k, h, dtype=x.dtype, device=dev)
+    common = (kernels.ptr(sorted_rows), kernels.ptr(items), kernels.ptr(n_items), np.int32(max_items),
+              np.int32(t), np.int32(k), np.int32(h), np.int32(i), np.int32(s_parts), np.int32(cpw))
+    hsp = none if h_sh is None else kernels.ptr(h_sh)
+    kernels.launch(MOE_CU.function(f"moe_gemv_grouped<{ct}, true>", dev),
+                   (max_items + gate_up_shared_slots, -(-i // (nw * cpw))), (32 * nw,),
+                   (kernels.ptr(hid), hsp, kernels.ptr(x), kernels.ptr(x), kernels.ptr(gate_up_proj), gu_sh) + common)
+    kernels.launch(MOE_CU.function(f"moe_gemv_grouped<{ct}, false>", dev),
+                   (max_items + (n_chunks if shared_w is not None else 0), -(-h // (nw * cpw))), (32 * nw,),
+                   (kernels.ptr(y), none if y_sh is None else kernels.ptr(y_sh), kernels.ptr(hid), hsp,
+                    kernels.ptr(down_proj), dn_sh) + common)
+    return _combine(y, weights, None, y_sh if shared_w is not None else shared, ids, e)
+
+
+def _mma_experts(x, ids, gate_up_proj, down_proj):
+    """Our grouped tensor-core GEMMs over the TILE_M-padded sorted rows: (y [cap, H], slot_of)."""
+    (t, k), (e, i2, h) = ids.shape, gate_up_proj.shape
+    i, ct = i2 // 2, CUDA_TYPE[x.dtype]
+    sorted_rows, slot_of, tile_expert, _ = moe_align(ids, e, TILE_M)
+    tiles = tile_expert.numel()
+    hid = torch.empty(tiles * TILE_M, i, dtype=x.dtype, device=x.device)
+    y = torch.empty(tiles * TILE_M, h, dtype=x.dtype, device=x.device)
+    for name, out, a, w, n_out, kdim in (("true", hid, x, gate_up_proj, i, h), ("false", y, hid, down_proj, h, i)):
+        n_tile = GEMM_N["gate_up" if name == "true" else "down"]
+        kernels.launch(MOE_CU.function(f"moe_gemm<{ct}, {name}>", x.device), (tiles, -(-n_out // n_tile)), (128,),
+                       (kernels.ptr(out), kernels.ptr(a), kernels.ptr(w), kernels.ptr(sorted_rows),
+                        kernels.ptr(tile_expert), np.int32(n_out), np.int32(kdim), np.int32(k)))
+    return y, slot_of
+
+
+def _grouped_mm_experts(x, ids, gate_up_proj, down_proj):
+    """cuBLAS's grouped GEMM (``torch._grouped_mm``, bf16) on rows aligned to GROUPED_MM_ALIGN: (y, slot_of).
+    Padding rows read token 0 (finite, never combined); rows past ``offsets[E]`` are never read."""
+    k = ids.shape[1]
+    sorted_rows, slot_of, _, offsets = moe_align(ids, gate_up_proj.shape[0], GROUPED_MM_ALIGN)
+    a = x[sorted_rows.clamp(min=0) // k]  # [cap, H]: the tokens in expert order
+    ends = offsets[1:]
+    hid = silu_and_mul(torch._grouped_mm(a, gate_up_proj.transpose(1, 2), offs=ends))
+    return torch._grouped_mm(hid, down_proj.transpose(1, 2), offs=ends), slot_of
+
+
+def _combine(y, weights, slot_of, shared, ids=None, n_experts=0) -> torch.Tensor:
+    """out [T, H] = round(Σ_j weights[t, j] · y[slot_of[t·k + j]]) (+ shared), one block per token.
+    ``slot_of`` None: y in choice order; ``ids`` given: choices with ids outside [0, E) are skipped."""
+    t, k = weights.shape
+    h = y.shape[1]
+    out = torch.empty(t, h, dtype=y.dtype, device=y.device)
+    kernels.launch(MOE_CU.function(f"moe_combine<{CUDA_TYPE[y.dtype]}>", y.device), (t,), (256,),
+                   (kernels.ptr(out), kernels.ptr(y), kernels.ptr(weights),
+                    np.uint64(0) if slot_of is None else kernels.ptr(slot_of),
+                    np.uint64(0) if shared is None else kernels.ptr(shared), np.int32(k), np.int32(h),
+                    np.uint64(0) if ids is None else kernels.ptr(ids), np.int32(n_experts)))
+    return out
+
+
+def _decode_applies(x: torch.Tensor, cfg: ModelConfig, shared_w=None) -> bool:
+    """Whether :func:`moe_decode` takes ``x``: kernels on, at most ``GEMV_MAX_TOKENS`` tokens (fp32: up to
+    ``FP32_GEMV_MAX_TOKENS``), the grouped GEMV selected, and shapes the kernels take."""
+    if GEMV_KERNEL != "grouped" or not kernels.use_kernels(x) or x.dtype not in CUDA_TYPE or x.dim() != 2:
+        return False
+    t, h = x.shape
+    e, k, i = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    limit = FP32_GEMV_MAX_TOKENS if x.dtype == torch.float32 else GEMV_MAX_TOKENS
+    ok = 0 < t <= limit and e <= MAX_EXPERTS and 0 < k <= min(e, MAX_TOPK) and h % 8 == 0 and i % 8 == 0 \
+        and _items_fit(t * k, e) and x.is_contiguous() and kernels.aligned16(x)
+    if cfg.topk_method == "group_limited_greedy":
+        g, tg = cfg.n_group, cfg.topk_group
+        ok = ok and 0 < g <= 32 and e % g == 0 and 0 < tg <= g and k <= tg * (e // g)
+    if shared_w is not None:
+        gu, dn = shared_w
+        ok = ok and gu.shape[0] % (2 * i) == 0 and gu.shape[1] == h and dn.shape == (h, gu.shape[0] // 2) \
+            and gu.dtype == dn.dtype == x.dtype and gu.is_contiguous() and dn.is_contiguous() and kernels.aligned16(gu, dn)
+    return ok
+
+
+def moe_decode(x: torch.Tensor, logits: torch.Tensor, cfg: ModelConfig, gate_up_proj: torch.Tensor,
+               down_proj: torch.Tensor, shared_w=None) -> torch.Tensor:
+    """The MoE layer for a few tokens (``_decode_applies``) in four launches after the router GEMM:
+
+    1. ``moe_route_gemv``: block 0 routes every token (``topk_softmax``'s rule) and builds the work
+       items; the other blocks compute the shared experts' gate|up meanwhile (``SHARED_IN_ROUTER``);
+    2. ``moe_gemv_grouped`` gate|up over the items (each selected expert read once);
+    3. ``moe_gemv_grouped`` down over the items and the shared experts' down;
+    4. ``moe_combine``: the weighted sum in pick order + the shared output.
+
+    ``logits [T, E]`` fp32; ``shared_w = (gate_up [2·S·I, H], down [H, S·I])`` of the shared MLP or None.
+    Same result as ``topk_softmax`` + ``moe_experts(..., shared=MLP(x))``, up to the fp32 summation order."""
+    t, h = x.shape
+    e, k, i = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    kernels.check(logits, "moe_decode logits", dtype=torch.float32, shape=(t, e), device=x.device)
+    kernels.check(gate_up_proj, "moe_decode gate_up_proj", dtype=x.dtype, shape=(e, 2 * i, h), device=x.device)
+    kernels.check(down_proj, "moe_decode down_proj", dtype=x.dtype, shape=(e, h, i), device=x.device)
+    if not kernels.aligned16(gate_up_proj, down_proj):
+        raise ValueError("moe_decode: expert weights must be 16-byte aligned")
+    dev, ct = x.device, CUDA_TYPE[x.dtype]
+    n_group = topk_group = 0
+    if cfg.topk_method == "group_limited_greedy":
+        n_group, topk_group = cfg.n_group, cfg.topk_group
+    weights = torch.empty(t, k, dtype=torch.float32, device=dev)
+    ids = torch.empty(t, k, dtype=torch.int64, device=dev)
+    work = _items_workspace(t * k, e, dev)
+    none, h_sh, units, s_parts = np.uint64(0), None, 0, 0
+    n_cols = -(-i // ((ROUTER_THREADS // 32) * GEMV_COLS_PER_WARP))
+    if shared_w is not None and SHARED_IN_ROUTER:
+        s_parts = shared_w[0].shape[0] // (2 * i)
+        h_sh = torch.empty(t, s_parts * i, dtype=x.dtype, device=dev)
+        units = s_parts * -(-t // GEMV_TB) * n_cols
+    kernels.launch(MOE_CU.function(f"moe_route_gemv<{ct}>", dev), (1 + units,), (ROUTER_THREADS,),
+                   (kernels.ptr(weights), kernels.ptr(ids), kernels.ptr(logits), np.int32(t), np.int32(e), np.int32(k),
+                    np.int32(n_group), np.int32(topk_group), np.int32(k > 1 and cfg.norm_topk_prob),
+                    np.float32(cfg.routed_scaling_factor), kernels.ptr(work[0]), kernels.ptr(work[1]), kernels.ptr(work[2]),
+                    none if h_sh is None else kernels.ptr(h_sh), kernels.ptr(x),
+                    none if h_sh is None else kernels.ptr(shared_w[0]), np.int32(h), np.int32(i), np.int32(s_parts),
+                    np.int32(GEMV_COLS_PER_WARP), np.int32(n_cols)),
+                   shared_mem=(t * k + 3 * e) * 4)
+    return _gemv_grouped(x, weights, ids, gate_up_proj, down_proj, work, shared_w=shared_w, h_sh=h_sh)
 
 
 class Experts(nn.Module):
@@ -100,10 +508,12 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, H] -> [T, H]``."""
-        weights, ids = route(F.linear(upcast(x), self.gate.weight), self.cfg)
-        e = self.experts
-        out = routed_experts(x, weights, ids, e.gate_up_proj, e.down_proj)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        """``x [T, H] -> [T, H]``: router, routed experts, shared experts (kernels for CUDA tensors)."""
+        logits = F.linear(upcast(x), self.gate.weight)
+        sh = self.shared_experts
+        shared_w = None if sh is None else (sh.gate_up_proj.weight, sh.down_proj.weight)
+        if _decode_applies(x, self.cfg, shared_w) and logits.dtype == torch.float32:
+            return moe_decode(x, logits, self.cfg, self.experts.gate_up_proj, self.experts.down_proj, shared_w)
+        weights, ids = topk_softmax(logits, self.cfg)
+        shared = sh(x) if sh is not None else None
+        return moe_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, shared)

@@ -14,6 +14,9 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+// -inf as a bit pattern: NVRTC does not have to define <math.h>'s INFINITY.
+__device__ __forceinline__ float minus_inf() { return __int_as_float(static_cast<int>(0xff800000u)); }
+
 // Round an fp32 value to T and back: reproduces a PyTorch op that stores an intermediate in T.
 template <typename T> __device__ __forceinline__ float round_to(float x) { return to_float(from_float<T>(x)); }
 

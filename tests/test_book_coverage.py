@@ -18,12 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # item -> chapter that will show it
 PENDING = {
-    **dict.fromkeys(["mla.causal_attention", "mla.MLA.prefill_attention"], "06"),
-    **dict.fromkeys(["moe.route", "moe.routed_experts", "moe.Experts", "moe.Router", "moe.MoE"], "08"),
     **dict.fromkeys(["model.DecoderLayer", "model.Backbone", "model.DeepseekV2", "sampling.SamplingParams",
                      "sampling.filter_logits", "sampling.sample", "llm.RequestOutput", "llm.resolve_model",
                      "llm.LLM", "kv_cache.SequenceBatch", "kv_cache.LatentCache"], "09"),
-    **dict.fromkeys(["mla.MLA.decode_attention"], "10"),
     **dict.fromkeys(["mla.write_latent_cache"], "12"),
 }
 CHAPTERS = {f"{i:02d}" for i in range(15)} | set("ABCD")

@@ -87,3 +87,400 @@ def test_group_limited_routing_stays_inside_best_groups():
     top_groups = group_best.topk(cfg.topk_group, dim=-1).indices
     group_of = ids // (cfg.n_routed_experts // cfg.n_group)
     assert (group_of[..., None] == top_groups[:, None, :]).any(-1).all()
+
+
+# ---- ties, alignment, and CPU emulations of the kernels' index mappings (kernels_cu/moe.cu) -------
+from dsv2_lib.moe import moe_align, moe_align_reference, moe_experts, routed_experts, topk_softmax  # noqa: E402
+from dsv2_lib import moe as moe_mod  # noqa: E402
+
+
+def test_ties_pick_the_lowest_expert_id_first():
+    """Equal scores: the lowest expert id wins, in the greedy top-k and in the choice of groups."""
+    cfg = dataclasses.replace(TINY, num_experts_per_tok=3)  # 16 experts
+    logits = torch.zeros(2, 16)
+    logits[0, [3, 7, 9, 12]] = 1.0  # four equal best experts: 3, 7, 9 picked, in that order
+    w, ids = route(logits, cfg)
+    assert ids[0].tolist() == [3, 7, 9] and ids[1].tolist() == [0, 1, 2]
+    assert torch.equal(w[0], w[0][:1].expand(3))
+    g = dataclasses.replace(cfg, topk_method="group_limited_greedy", n_group=4, topk_group=2)
+    logits = torch.zeros(1, 16)
+    logits[0, [5, 9, 13]] = 2.0  # groups 1, 2, 3 tie for best: groups 1 and 2 kept
+    logits[0, 1] = 1.0           # group 0 second best only
+    _, ids = route(logits, g)
+    assert ids[0].tolist() == [5, 9, 4]  # then the lowest id among the kept groups' equal rest
+
+
+def emulate_topk_softmax(logits: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router kernel's algorithm in Python: repeated (score desc, id asc) argmax, taken -> -1."""
+    p = logits.double().softmax(-1)
+    k, ws, ids = cfg.num_experts_per_tok, [], []
+    for row in p:
+        row = row.clone()
+        if cfg.topk_method == "group_limited_greedy":
+            gbest = row.view(cfg.n_group, -1).amax(-1).tolist()
+            keep = set()
+            for _ in range(cfg.topk_group):
+                gsel = min((g for g in range(cfg.n_group) if g not in keep), key=lambda g: (-gbest[g], g))
+                keep.add(gsel)
+            gsize = row.numel() // cfg.n_group
+            for e in range(row.numel()):
+                if e // gsize not in keep:
+                    row[e] = 0.0
+        picks = []
+        for _ in range(k):
+            e = min(range(row.numel()), key=lambda e: (-row[e].item(), e))
+            picks.append((row[e].item(), e))
+            row[e] = -1.0
+        w = torch.tensor([v for v, _ in picks], dtype=torch.float64)
+        w = w / (w.sum() + 1e-20) if (k > 1 and cfg.norm_topk_prob) else w * cfg.routed_scaling_factor
+        ws.append(w)
+        ids.append([e for _, e in picks])
+    return torch.stack(ws), torch.tensor(ids)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_router_kernel_algorithm_matches_route(name):
+    cfg = CASES[name]
+    logits = torch.randn(40, cfg.n_routed_experts, dtype=torch.float64)
+    logits[:5] = logits[:5].round()  # plenty of exact ties
+    w, ids = route(logits, cfg)
+    ew, eids = emulate_topk_softmax(logits, cfg)
+    assert torch.equal(ids, eids)
+    torch.testing.assert_close(w, ew)
+
+
+@pytest.mark.parametrize("t,k,e,block", [(1, 6, 64, 64), (3, 2, 16, 8), (17, 6, 64, 64), (300, 6, 64, 64),
+                                         (50, 3, 16, 1), (8, 4, 5, 16)])
+def test_moe_align_reference_layout(t, k, e, block):
+    torch.manual_seed(t)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    sorted_rows, slot_of, tile_expert, offsets = moe_align_reference(ids, e, block)
+    n, max_tiles = t * k, (t * k + e * (block - 1)) // block
+    assert sorted_rows.shape == (max_tiles * block,) and tile_expert.shape == (max_tiles,) and offsets.shape == (e + 1,)
+    counts = torch.bincount(ids.flatten(), minlength=e)
+    assert torch.equal(offsets.diff().long(), (counts + block - 1) // block * block) and offsets[0] == 0
+    flat = ids.flatten()
+    for x in range(e):  # each segment: the expert's choices in increasing choice (= token) order, then -1s
+        seg = sorted_rows[offsets[x] : offsets[x + 1]].long()
+        real = seg[: counts[x]]
+        assert torch.equal(real, torch.nonzero(flat == x).flatten()) and (seg[counts[x] :] == -1).all()
+        assert (tile_expert[offsets[x] // block : offsets[x + 1] // block] == x).all()
+    assert (sorted_rows[offsets[-1] :] == -1).all() and (tile_expert[offsets[-1] // block :] == -1).all()
+    assert torch.equal(sorted_rows[slot_of.long()].long(), torch.arange(n))
+
+
+def emulate_moe_align(ids: torch.Tensor, e: int, block: int, nwarps: int = 32):
+    """moe_align's three passes, warp by warp, lane by lane (match_any = same expert among the 32)."""
+    flat = ids.flatten().tolist()
+    n = len(flat)
+    max_tiles = (n + e * (block - 1)) // block
+    sorted_rows, slot_of, tile_expert = [-1] * (max_tiles * block), [None] * n, [-1] * max_tiles
+    L = -(-n // nwarps)
+    cnt = [[0] * e for _ in range(nwarps)]
+    for w in range(nwarps):
+        for i in range(w * L, min(n, w * L + L)):
+            cnt[w][flat[i]] += 1
+    seg = []
+    for x in range(e):
+        c = 0
+        for w in range(nwarps):
+            cnt[w][x], c = c, c + cnt[w][x]
+        seg.append(c)
+    acc = 0
+    for x in range(e):
+        seg[x], acc = acc, acc + -(-seg[x] // block) * block
+    seg.append(acc)
+    for x in range(e):
+        for tt in range(seg[x] // block, seg[x + 1] // block):
+            tile_expert[tt] = x
+    for w in range(nwarps):
+        lo, hi = w * L, min(n, w * L + L)
+        for base in range(lo, hi, 32):
+            lanes = [(base + l, flat[base + l]) for l in range(32) if base + l < hi]
+            for lane, (i, x) in enumerate(lanes):
+                rank = sum(1 for j, (_, y) in enumerate(lanes) if j < lane and y == x)
+                pos = seg[x] + cnt[w][x] + rank
+                sorted_rows[pos], slot_of[i] = i, pos
+            for x in {x for _, x in lanes}:
+                cnt[w][x] += sum(1 for _, y in lanes if y == x)
+    return [torch.tensor(v, dtype=torch.int32) for v in (sorted_rows, slot_of, tile_expert, seg)]
+
+
+@pytest.mark.parametrize("t,k,e,block", [(1, 6, 64, 64), (17, 6, 64, 64), (300, 6, 64, 64), (200, 2, 16, 8), (5, 2, 4, 1)])
+def test_moe_align_kernel_algorithm_matches_reference(t, k, e, block):
+    torch.manual_seed(1)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    ids[: t // 3, 0] = 0  # one busy expert
+    ids[: t // 3, 1:] = torch.arange(1, k)
+    for a, b in zip(emulate_moe_align(ids, e, block), moe_align_reference(ids, e, block)):
+        assert torch.equal(a, b)
+
+
+def test_moe_align_refuses_bad_ids_on_cpu():
+    with pytest.raises(ValueError, match=r"expert ids must be in \[0, 4\)"):
+        moe_align_reference(torch.tensor([[0, 4]]), 4, 8)
+    with pytest.raises(ValueError, match=r"expert ids must be in \[0, 4\)"):
+        moe_align(torch.tensor([[-1, 2]]), 4, 8)
+
+
+def emulate_mma_block(a_tile: torch.Tensor, w: torch.Tensor, n0: int, gate_up: bool, n_out: int) -> torch.Tensor:
+    """One block of moe_gemm, index by index: B-tile rows from the weight-row mapping, the warps' 2 x 8
+    mma tiles, each lane's C fragment (rows g / g+8, columns 2q / 2q+1), and the epilogue's (row, column)
+    formula. Returns the block's output
+    [64, 64] (gate_up: silu(gate) * up) or [64, 128] (down), as fp64 without the rounding."""
+    K = a_tile.shape[1]
+    b_tile = torch.zeros(128, K, dtype=torch.float64)
+    for r in range(128):
+        if gate_up:
+            col = n0 + (r >> 6) * 32 + (r & 31)
+            wrow = n_out + col if (r >> 5) & 1 else col
+        else:
+            col = wrow = n0 + r
+        if col < n_out:
+            b_tile[r] = w[wrow]
+    acc = torch.zeros(2, 2, 2, 8, 32, 4, dtype=torch.float64)  # [wm, wn, mi, nj, lane, c]
+    for wm in range(2):
+        for wn in range(2):
+            for mi in range(2):
+                for nj in range(8):
+                    for kk in range(0, K, 16):
+                        A = a_tile[wm * 32 + mi * 16 : wm * 32 + mi * 16 + 16, kk : kk + 16]
+                        B = b_tile[wn * 64 + nj * 8 : wn * 64 + nj * 8 + 8, kk : kk + 16].T  # [k, n]
+                        D = A @ B  # what mma computes (its fragments: test_mma_fragment_layouts_...)
+                        for lane in range(32):
+                            g, q = lane >> 2, lane & 3
+                            for c in range(4):
+                                acc[wm, wn, mi, nj, lane, c] += D[g + 8 * (c >> 1), 2 * q + (c & 1)]
+    out = torch.full((64, 64 if gate_up else 128), float("nan"), dtype=torch.float64)
+    for wm in range(2):
+        for wn in range(2):
+            for mi in range(2):
+                for lane in range(32):
+                    g, q = lane >> 2, lane & 3
+                    for c in range(4):
+                        row = wm * 32 + mi * 16 + g + 8 * (c >> 1)
+                        if gate_up:
+                            for nj in range(4):
+                                col = wn * 32 + nj * 8 + 2 * q + (c & 1)
+                                gt, up = acc[wm, wn, mi, nj, lane, c], acc[wm, wn, mi, nj + 4, lane, c]
+                                out[row, col] = F.silu(gt) * up
+                        else:
+                            for nj in range(8):
+                                out[row, wn * 64 + nj * 8 + 2 * q + (c & 1)] = acc[wm, wn, mi, nj, lane, c]
+    return out
+
+
+def test_mma_fragment_layouts_rebuild_the_product():
+    """The A/B fragment registers each lane loads (moe.cu) cover a 16x16 and a 16x8 tile exactly once, and
+    the lanes of a quad (same g) hold whole rows of A and whole columns of B: the PTX layouts, checked by counting."""
+    A = torch.randn(16, 16, dtype=torch.float64)
+    B = torch.randn(16, 8, dtype=torch.float64)
+    seen_a, seen_b = torch.zeros(16, 16), torch.zeros(16, 8)
+    D = torch.zeros(16, 8, dtype=torch.float64)
+    frag_a, frag_b = {}, {}
+    for lane in range(32):
+        g, q = lane >> 2, lane & 3
+        frag_a[lane] = [(g, 2 * q), (g + 8, 2 * q), (g, 2 * q + 8), (g + 8, 2 * q + 8)]  # (row, first k) per register
+        frag_b[lane] = [(2 * q, g), (2 * q + 8, g)]                                       # (first k, column)
+        for r, c in frag_a[lane]:
+            seen_a[r, c : c + 2] += 1
+        for k0, c in frag_b[lane]:
+            seen_b[k0 : k0 + 2, c] += 1
+    assert (seen_a == 1).all() and (seen_b == 1).all()
+    # Rebuild D from the fragments alone: row r of A lives in the quad g = r % 8, column n of B in quad g = n.
+    for lane in range(32):
+        g, q = lane >> 2, lane & 3
+        for c in range(4):
+            row, col = g + 8 * (c >> 1), 2 * q + (c & 1)
+            a_row = {kk: A[r, kk] for ln in range(32) for (r, k0) in frag_a[ln] if r == row for kk in (k0, k0 + 1)}
+            b_col = {kk: B[kk, cc] for ln in range(32) for (k0, cc) in frag_b[ln] if cc == col for kk in (k0, k0 + 1)}
+            assert sorted(a_row) == sorted(b_col) == list(range(16))
+            D[row, col] = sum(a_row[kk] * b_col[kk] for kk in range(16))
+    torch.testing.assert_close(D, A @ B)
+
+
+@pytest.mark.parametrize("gate_up", [True, False])
+def test_grouped_gemm_tile_mapping(gate_up):
+    """The B-tile row mapping and the epilogue's (row, column) formula put every output where it belongs,
+    including a partial last block of columns (n_out = 80: the block at n0 = 64 has 16 valid columns)."""
+    torch.manual_seed(0)
+    K, n_out = 32, 80
+    a = torch.randn(64, K, dtype=torch.float64)
+    w = torch.randn(2 * n_out if gate_up else n_out, K, dtype=torch.float64)
+    step = 64 if gate_up else 128
+    for n0 in range(0, n_out, step):
+        got = emulate_mma_block(a, w, n0, gate_up, n_out)
+        width = min(step, n_out - n0)
+        if gate_up:
+            want = F.silu(a @ w[n0 : n0 + width].T) * (a @ w[n_out + n0 : n_out + n0 + width].T)
+        else:
+            want = a @ w[n0 : n0 + width].T
+        torch.testing.assert_close(got[:, :width], want)
+
+
+def test_cpu_dispatch_takes_the_references():
+    """On the CPU the kernel ops are their references (the MoE layer therefore is unchanged)."""
+    cfg = CASES["group_limited"]
+    logits = torch.randn(9, cfg.n_routed_experts)
+    for a, b in zip(topk_softmax(logits, cfg), route(logits, cfg)):
+        assert torch.equal(a, b)
+    moe = random_moe(TINY)
+    x = torch.randn(5, TINY.hidden_size, dtype=torch.float64)
+    w, ids = route(x @ moe.gate.weight.T, TINY)
+    e = moe.experts
+    shared = moe.shared_experts(x)
+    assert torch.equal(moe_experts(x, w, ids, e.gate_up_proj, e.down_proj, shared),
+                       routed_experts(x, w, ids, e.gate_up_proj, e.down_proj) + shared)
+
+
+# ---- the grouped GEMV (moe.cu: build_items, gemv_unit): index mappings emulated on the CPU ----------
+def emulate_build_items(ids: torch.Tensor, e: int, tb: int = moe_mod.GEMV_TB):
+    """build_items as the block runs it: counts, warp 0's two scans over experts in 32-lane chunks,
+    the stable scatter by rank (earlier choices of the same expert), the items of each expert."""
+    flat = [x if 0 <= x < e else -1 for x in ids.flatten().tolist()]
+    n = len(flat)
+    cnt = [0] * e
+    for x in flat:
+        if x >= 0:
+            cnt[x] += 1
+    start, istart, run_c, run_i = [0] * e, [0] * e, 0, 0
+    for e0 in range(0, e, 32):
+        lanes = range(e0, min(e, e0 + 32))
+        c = [cnt[x] for x in lanes]
+        it = [-(-v // tb) for v in c]
+        for l, x in enumerate(lanes):  # inclusive shuffle-up scan, minus the lane's own value
+            start[x] = run_c + sum(c[: l + 1]) - c[l]
+            istart[x] = run_i + sum(it[: l + 1]) - it[l]
+        run_c, run_i = run_c + sum(c), run_i + sum(it)
+    sorted_ = [None] * sum(cnt)
+    for i, x in enumerate(flat):
+        if x >= 0:
+            sorted_[start[x] + sum(1 for j in range(i) if flat[j] == x)] = i
+    items = [None] * run_i
+    for x in range(e):
+        for q in range(-(-cnt[x] // tb)):
+            items[istart[x] + q] = (x, start[x] + q * tb, min(tb, cnt[x] - q * tb))
+    assert run_i <= moe_mod._gemv_max_items(n, e, tb)
+    return torch.tensor(sorted_, dtype=torch.int32), torch.tensor(items, dtype=torch.int32).view(-1, 3)
+
+
+@pytest.mark.parametrize("t,k,e", [(1, 6, 64), (3, 6, 64), (32, 6, 64), (64, 6, 64), (40, 6, 70), (20, 2, 4), (9, 1, 1)])
+def test_build_items_matches_reference(t, k, e):
+    torch.manual_seed(t)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    ids[: t // 2, 0] = 0  # a busy expert: more than one item
+    if t > 2:
+        ids[1, -1] = e + 5  # dropped
+    got = emulate_build_items(ids, e)
+    want = moe_mod.gemv_items_reference(ids, e)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    srt, items = want  # every valid choice is in exactly one item, of its own expert
+    seen = torch.cat([srt[s : s + c] for _, s, c in items.tolist()])
+    assert torch.equal(seen.sort().values, srt.sort().values)
+    assert all((ids.flatten()[srt[s : s + c].long()] == x).all() for x, s, c in items.tolist())
+
+
+def emulate_gemv_grouped(x, w, ids, gate_up, down, shared_w=None, nw=3, cpw=2, tb=moe_mod.GEMV_TB, in_router=False):
+    """moe_route_gemv / moe_gemv_grouped / moe_combine, unit by unit: which slot and column chunk computes
+    which output, each output written exactly once; the arithmetic as the reference rounds it."""
+    t, k = ids.shape
+    e, i2, h = gate_up.shape
+    i = i2 // 2
+    srt, items = moe_mod.gemv_items_reference(ids, e, tb)
+    srt, items = srt.tolist(), items.tolist()
+    max_items = moe_mod._gemv_max_items(t * k, e, tb)
+    n_chunks = -(-t // tb)
+    s_parts = 0 if shared_w is None else shared_w[0].shape[0] // i2
+    hid, y = {}, {}
+    h_sh, y_sh = {}, {}
+    rnd = lambda v: v.to(x.dtype).double()
+
+    def unit(slot, chunk, gate_up_pass, nwarps, max_items):
+        if slot < max_items:
+            if slot >= len(items):
+                return
+            ex, s, cnt = items[slot]
+            choices = srt[s : s + cnt]
+            rows = [(c // k if gate_up_pass else c, c) for c in choices]
+            if gate_up_pass:
+                wg, wu, dst, K, ncol = gate_up[ex][:i], gate_up[ex][i:], hid, h, i
+            else:
+                wd, dst, K, ncol = down[ex], y, i, h
+            act = x if gate_up_pass else None
+        else:
+            p = slot - max_items
+            part, q = (p // n_chunks, p % n_chunks) if gate_up_pass else (0, p)
+            if shared_w is None or part >= s_parts or q >= n_chunks:
+                return
+            cnt = min(tb, t - q * tb)
+            rows = [(q * tb + j, q * tb + j) for j in range(cnt)]
+            if gate_up_pass:
+                gu = shared_w[0]
+                wg, wu = gu[part * i : part * i + i], gu[s_parts * i + part * i : s_parts * i + part * i + i]
+                dst, ncol = h_sh, i
+            else:
+                wd, dst, ncol = shared_w[1], y_sh, h
+        for r in range(cpw):
+            for warp in range(nwarps):
+                n = (chunk * cpw + r) * nwarps + warp
+                if n >= ncol:
+                    continue
+                for arow, orow in rows:
+                    if gate_up_pass:
+                        a = x[arow].double() if slot < max_items else x[arow].double()
+                        g, u = rnd(wg[n].double() @ a), rnd(wu[n].double() @ a)
+                        key = (orow, n if slot < max_items else (slot - max_items) // n_chunks * i + n)
+                        assert key not in dst
+                        dst[key] = rnd(F.silu(g) * u)
+                    else:
+                        if slot < max_items:
+                            a = torch.stack([hid[(arow, c)] for c in range(i)])
+                        else:
+                            a = torch.stack([h_sh[(arow, c)] for c in range(s_parts * i)])
+                        assert (orow, n) not in dst
+                        dst[(orow, n)] = rnd(wd[n].double() @ a)
+
+    if shared_w is not None and in_router:  # blocks 1.. of moe_route_gemv: nw = 8 warps, no routed slots
+        n_cols = -(-i // (8 * cpw))
+        for u in range(s_parts * n_chunks * n_cols):
+            unit(u // n_cols, u % n_cols, True, 8, 0)
+        gu_slots = 0
+    else:
+        gu_slots = s_parts * n_chunks if shared_w is not None else 0
+    for slot in range(max_items + gu_slots):
+        for chunk in range(-(-i // (nw * cpw))):
+            unit(slot, chunk, True, nw, max_items)
+    for slot in range(max_items + (n_chunks if shared_w is not None else 0)):
+        for chunk in range(-(-h // (nw * cpw))):
+            unit(slot, chunk, False, nw, max_items)
+    out = torch.zeros(t, h, dtype=torch.float64)
+    for tt in range(t):
+        for n in range(h):
+            acc = 0.0
+            for j in range(k):
+                c = tt * k + j
+                if 0 <= int(ids[tt, j]) < e:
+                    acc += float(w[tt, j]) * float(y[(c, n)])
+            r = float(rnd(torch.tensor(acc)))
+            if shared_w is not None:
+                r += float(y_sh[(tt, n)])
+            out[tt, n] = r
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("in_router", [False, True])
+def test_grouped_gemv_mapping_computes_every_output_once(in_router):
+    torch.manual_seed(0)
+    t, k, e, h, i, s = 10, 2, 5, 24, 16, 2
+    x = torch.randn(t, h, dtype=torch.float64)
+    gate_up, down = torch.randn(e, 2 * i, h, dtype=torch.float64) / 5, torch.randn(e, h, i, dtype=torch.float64) / 4
+    w, ids = torch.rand(t, k, dtype=torch.float64), torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    ids[:9, 0] = 3  # 9 tokens on expert 3: two items
+    ids[4, 1] = 7   # dropped
+    sgu, sdn = torch.randn(2 * s * i, h, dtype=torch.float64) / 5, torch.randn(h, s * i, dtype=torch.float64) / 5
+    got = emulate_gemv_grouped(x, w, ids, gate_up, down, (sgu, sdn), in_router=in_router)
+    keep = (ids >= 0) & (ids < e)
+    want = routed_experts(x, w * keep, ids.clamp(max=e - 1), gate_up, down)
+    shared = F.linear(F.silu(F.linear(x, sgu[: s * i])) * F.linear(x, sgu[s * i :]), sdn)
+    torch.testing.assert_close(got, want + shared)

@@ -1,0 +1,294 @@
+"""MLA decode attention on the latent cache, with ``W_k`` and ``W_v`` absorbed (chapter 10).
+
+One query per batch entry attends directly over cached rows ``[latent (kv_lora) | k_pe (rope)]``:
+
+* ``query [B, h, D]``, ``D = kv_lora + rope`` (576 for V2-Lite): ``[W_kᵀ q_nope | q_pe]`` per head;
+* ``cache [num_slots, max_len, D]``: one layer of :class:`~dsv2_lib.kv_cache.LatentCache`;
+* ``slots [B]``, ``lengths [B]``: entry ``b`` attends over rows ``0 .. lengths[b]-1`` of slot
+  ``slots[b]`` (the new token's row included, already written);
+* result ``[B, h, kv_lora]`` in fp32: ``Σ_t softmax_t(scale · query · row_t) · latent_t``, which the
+  caller maps through ``W_v``.
+
+The kernel (``kernels_cu/mla_decode.cu``) reads each row once for all 16 heads of a block, runs
+both products on the tensor cores and splits long contexts over several blocks (split-KV), merged
+by a log-sum-exp combine kernel. It takes bf16 or fp16 (the query in the cache's dtype: the MMA
+multiplies that type); an fp32 cache, and shapes without a compiled instantiation, take the
+reference.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from . import kernels
+from .kernels import CUDA_TYPE
+from .weights import upcast
+
+HEADS_PER_BLOCK, WARPS, TILE = 16, 4, 32  # kernels_cu/mla_decode.cu: mla::HEADS, WARPS, TILE
+STAGES = (2, 3, 4, 5)  # pipeline depths compiled (STAGES - 1 tiles of 32 rows in flight per block)
+DEFAULT_STAGES = 2
+FUSED_MAX_SPLITS = 16  # the default policy fuses the combine up to this many splits (one block merges them)
+SHAPES = ((512, 64), (64, 16))  # (kv_lora_rank, rope dim) compiled: DeepSeek-V2(-Lite), the tiny model
+MIN_TILES_PER_SPLIT = 4  # a split streams at least 4 × 32 rows (amortises its query load and partial write)
+COMBINE_WARPS = 8
+MLA_DECODE_CU = kernels.declare(
+    "mla_decode.cu",
+    [f"mla_decode_split<{t}, {dl}, {dr}, {s}>" for t in ("__half", "__nv_bfloat16") for dl, dr in SHAPES
+     for s in STAGES] + ["mla_decode_combine"],
+)
+
+
+def mla_decode_reference(query: torch.Tensor, cache: torch.Tensor, slots: Sequence[int] | torch.Tensor,
+                         lengths: Sequence[int] | torch.Tensor, scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """Absorbed decode attention in fp32 (or wider): ``query [B, h, D]`` -> ``[B, h, kv_lora_rank]``.
+
+    Entry ``b`` scores ``query[b]`` against every row ``[latent | k_pe]`` of ``cache[slots[b], :lengths[b]]``
+    (``q_lat · latent + q_pe · k_pe``: one dot product per row and head), softmaxes over the rows and
+    returns the weighted sum of the latents.
+    """
+    slots = slots.tolist() if torch.is_tensor(slots) else list(slots)
+    lengths = lengths.tolist() if torch.is_tensor(lengths) else list(lengths)
+    q = upcast(query)
+    outs = []
+    for b, (slot, n) in enumerate(zip(slots, lengths)):
+        rows = upcast(cache[slot, :n])  # [n, D]
+        p = (torch.einsum("hd,td->ht", q[b], rows) * scale).softmax(dim=-1)
+        outs.append(p @ rows[:, :kv_lora_rank])
+    return torch.stack(outs) if outs else q.new_zeros(0, query.shape[1], kv_lora_rank)
+
+
+def mla_decode_query_dtype(cache: torch.Tensor, kv_lora_rank: int) -> torch.dtype:
+    """The dtype :func:`mla_decode` wants the absorbed query in: the cache's on the kernel path (the
+    tensor cores multiply bf16 or fp16), fp32 or wider on the reference path."""
+    if kernels.use_kernels(cache) and _kernel_applies(cache, kv_lora_rank):
+        return cache.dtype
+    return torch.promote_types(cache.dtype, torch.float32)
+
+
+def mla_decode_config(batch_size: int, heads: int, max_length: int, sms: int) -> tuple[int | None, int, bool | None]:
+    """The default launch configuration ``(num_splits, stages, fused)``; ``num_splits = None`` lets
+    :func:`mla_decode_splits` fill one wave at that depth's occupancy, ``fused = None`` fuses the combine
+    when there are at most :data:`FUSED_MAX_SPLITS` splits. A module-level function so that
+    ``tests/bench_mla_decode.py`` (and a user) can replace it with what measurement says.
+
+    Measured on the H200 (2026-11-29): two stages at two blocks per SM streamed best at large batch;
+    deeper pipelines and the fused combine are the candidates the benchmark compares.
+    """
+    return None, DEFAULT_STAGES, None
+
+
+def mla_decode_splits(batch_size: int, heads: int, max_length: int, blocks_per_wave: int) -> tuple[int, int]:
+    """``(splits, chunk)``: how many blocks share one entry's context, and the rows each covers.
+
+    ``batch_size × ⌈heads/16⌉`` blocks exist without splitting. When they do not fill one wave of
+    ``blocks_per_wave`` resident blocks (SMs × blocks per SM), each entry's context is cut into chunks
+    of whole 32-row tiles — at least ``MIN_TILES_PER_SPLIT`` — so that all blocks together fill
+    about one wave. ``splits · chunk >= max_length`` always.
+    """
+    tiles = max(1, -(-max_length // TILE))
+    base = batch_size * -(-heads // HEADS_PER_BLOCK)
+    want = max(1, blocks_per_wave // max(base, 1))
+    chunk_tiles = max(min(MIN_TILES_PER_SPLIT, tiles), -(-tiles // want))
+    return -(-tiles // chunk_tiles), chunk_tiles * TILE
+
+
+def mla_decode_workspace(batch_size: int, heads: int, splits: int, kv_lora_rank: int,
+                         device: torch.device | str) -> torch.Tensor:
+    """fp32 scratch for the split-KV partials: ``B·h·splits·(kv_lora_rank + 1)`` values (o, then lse).
+    Allocate it once (for the largest batch and split count) to keep a decode step free of allocations."""
+    return torch.empty(batch_size * heads * splits * (kv_lora_rank + 1), dtype=torch.float32, device=device)
+
+
+def mla_decode(query: torch.Tensor, cache: torch.Tensor, slots: Sequence[int] | torch.Tensor,
+               lengths: Sequence[int] | torch.Tensor, scale: float, kv_lora_rank: int, *,
+               max_length: int | None = None, out: torch.Tensor | None = None,
+               workspace: torch.Tensor | None = None, num_splits: int | None = None,
+               stages: int | None = None, fused: bool | None = None,
+               counters: torch.Tensor | None = None) -> torch.Tensor:
+    """Absorbed decode attention, ``query [B, h, D]`` -> fp32 ``[B, h, kv_lora_rank]`` (see the module doc).
+
+    ``slots``/``lengths`` are either host sequences of ints — checked here (``0 <= slot < num_slots``,
+    ``1 <= length <= max_len``) and copied to the GPU — or int32 tensors on the query's device, which
+    the host cannot read without a sync: then ``max_length`` (a host bound on every length, e.g. from
+    the :class:`~dsv2_lib.kv_cache.SequenceBatch`) is required, and the kernel clamps each length to it
+    and gives zeros for a slot out of range. ``out``, ``workspace`` (:func:`mla_decode_workspace`) and
+    ``num_splits`` let a caller preallocate and fix everything, as a CUDA graph needs.
+
+    ``num_splits``, ``stages`` (pipeline depth, one of :data:`STAGES`) and ``fused`` (merge the
+    splits in the last block of each head group instead of a second launch) default to
+    :func:`mla_decode_config`. The fused combine takes tickets from ``counters`` (int32, at least
+    ``B·⌈h/16⌉`` zeros, :func:`mla_decode_counters`), which every launch leaves at zero again; without
+    it a per-device buffer is used (one stream at a time).
+    """
+    if not kernels.use_kernels(query) or not _kernel_applies(cache, kv_lora_rank):
+        return mla_decode_reference(query, cache, slots, lengths, scale, kv_lora_rank)
+    num_slots, max_len, D = cache.shape if cache.dim() == 3 else (0, 0, 0)
+    kernels.check(cache, "mla_decode cache", shape=(None, None, None))
+    if query.dim() != 3:
+        raise ValueError(f"mla_decode query: shape {list(query.shape)}, expected [B, h, {D}]")
+    B, H = query.shape[:2]
+    kernels.check(query, "mla_decode query", dtype=cache.dtype, shape=(B, H, D), device=cache.device)
+    if not kernels.aligned16(query, cache):
+        raise ValueError("mla_decode: query and cache must start on 16-byte boundaries (the kernel copies 16-byte vectors)")
+    slots_t, lengths_t, max_length = _entries(slots, lengths, B, num_slots, max_len, max_length, cache.device)
+    if num_splits is None or stages is None or fused is None:
+        d_splits, d_stages, d_fused = mla_decode_config(B, H, max_length, _sms(cache.device))
+        num_splits = d_splits if num_splits is None else num_splits
+        stages = d_stages if stages is None else stages
+        fused = d_fused if fused is None else fused
+    stages = DEFAULT_STAGES if stages is None else stages
+    if stages not in STAGES:
+        raise ValueError(f"mla_decode: stages must be one of {STAGES}, got {stages}")
+    if out is None:
+        out = torch.empty(B, H, kv_lora_rank, dtype=torch.float32, device=cache.device)
+    kernels.check(out, "mla_decode out", dtype=torch.float32, shape=(B, H, kv_lora_rank), device=cache.device)
+    if not kernels.aligned16(out):
+        raise ValueError("mla_decode out: must start on a 16-byte boundary")
+    if B == 0 or H == 0:
+        return out
+    if B > 65535:
+        raise ValueError(f"mla_decode: batch {B} exceeds the grid's 65535 entries")
+    kernel = MLA_DECODE_CU.function(f"mla_decode_split<{CUDA_TYPE[cache.dtype]}, {kv_lora_rank}, {D - kv_lora_rank}, {stages}>",
+                                    cache.device)
+    smem = _shared_bytes(stages, D, cache.dtype)
+    blocks_per_wave = _blocks_per_wave(kernel, smem, cache.device)  # also opts the kernel in to `smem` bytes
+    if num_splits is None:
+        splits, chunk = mla_decode_splits(B, H, max_length, blocks_per_wave)
+    else:
+        if num_splits < 1:
+            raise ValueError(f"mla_decode: num_splits must be >= 1, got {num_splits}")
+        tiles = -(-max_length // TILE)
+        chunk = -(-tiles // num_splits) * TILE
+        splits = max(1, -(-max_length // chunk))
+    grid = (splits, B, -(-H // HEADS_PER_BLOCK))
+    scale_log2 = np.float32(scale * 1.4426950408889634)
+    common = (kernels.ptr(query), kernels.ptr(cache), kernels.ptr(slots_t), kernels.ptr(lengths_t), np.int32(H),
+              np.int32(num_slots), np.int32(max_len), np.int32(max_length), np.int32(chunk), scale_log2)
+    common_nc = common[:4] + (np.uint64(0),) + common[4:]  # no counters: the combine kernel merges
+    if splits == 1:  # the block writes the final result; no combine
+        kernels.launch(kernel, grid, (WARPS * 32,), (kernels.ptr(out), np.uint64(0), np.uint64(0)) + common_nc,
+                       shared_mem=smem)
+        return out
+    need = B * H * splits * (kv_lora_rank + 1)
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=cache.device)
+    kernels.check(workspace, "mla_decode workspace", dtype=torch.float32, device=cache.device)
+    if workspace.numel() < need:
+        raise ValueError(f"mla_decode workspace: {workspace.numel()} values, this call needs {need} "
+                         f"(batch {B}, {H} heads, {splits} splits, kv_lora_rank {kv_lora_rank})")
+    o_part = workspace[: B * H * splits * kv_lora_rank]
+    lse = workspace[B * H * splits * kv_lora_rank : need]
+    if not kernels.aligned16(o_part):
+        raise ValueError("mla_decode workspace: must start on a 16-byte boundary")
+    groups = -(-H // HEADS_PER_BLOCK)
+    if fused is None:
+        fused = splits <= FUSED_MAX_SPLITS
+    if fused:
+        if counters is None:
+            counters = _counter_buffer(cache.device, B * groups)
+        kernels.check(counters, "mla_decode counters", dtype=torch.int32, device=cache.device)
+        if counters.numel() < B * groups:
+            raise ValueError(f"mla_decode counters: {counters.numel()} values, this call needs {B * groups}")
+        kernels.launch(kernel, grid, (WARPS * 32,),
+                       (kernels.ptr(o_part), kernels.ptr(lse), kernels.ptr(out)) + common[:4] + (kernels.ptr(counters),)
+                       + common[4:], shared_mem=smem)
+        return out
+    kernels.launch(kernel, grid, (WARPS * 32,), (kernels.ptr(o_part), kernels.ptr(lse), np.uint64(0)) + common_nc,
+                   shared_mem=smem)
+    combine = MLA_DECODE_CU.function("mla_decode_combine", cache.device)
+    kernels.launch(combine, (-(-kv_lora_rank // 128), H, B), (COMBINE_WARPS * 32,),
+                   (kernels.ptr(out), kernels.ptr(o_part), kernels.ptr(lse), np.int32(splits), np.int32(kv_lora_rank)))
+    return out
+
+
+def mla_decode_counters(batch_size: int, heads: int, device: torch.device | str) -> torch.Tensor:
+    """Zeroed int32 tickets for the fused combine: one per (entry, group of 16 heads). Every launch
+    leaves them at zero, so one buffer serves every call on one stream (and CUDA-graph replays)."""
+    return torch.zeros(batch_size * -(-heads // HEADS_PER_BLOCK), dtype=torch.int32, device=device)
+
+
+_COUNTERS: dict[str, torch.Tensor] = {}
+
+
+def _counter_buffer(device: torch.device, n: int) -> torch.Tensor:
+    """The per-device ticket buffer, grown (outside graph capture) to at least ``n`` counters."""
+    key = str(device)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("mla_decode: the fused combine needs `counters` (mla_decode_counters) during CUDA-graph "
+                               "capture, or a call of this size before capture")
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
+
+
+def _sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _kernel_applies(cache: torch.Tensor, kv_lora_rank: int) -> bool:
+    """A compiled instantiation exists: 16-bit cache ``[S, L, kv_lora + rope]`` with a compiled shape."""
+    return (cache.dtype in (torch.float16, torch.bfloat16) and cache.dim() == 3
+            and (kv_lora_rank, cache.shape[-1] - kv_lora_rank) in SHAPES)
+
+
+def _entries(slots, lengths, B: int, num_slots: int, max_len: int, max_length: int | None, device):
+    """int32 device tensors of slots and lengths, and the host bound on the lengths, checked."""
+    if torch.is_tensor(slots) != torch.is_tensor(lengths):
+        raise TypeError("mla_decode: pass slots and lengths both as host sequences or both as device tensors")
+    if torch.is_tensor(slots):
+        kernels.check(slots, "mla_decode slots", dtype=torch.int32, shape=(B,), device=device)
+        kernels.check(lengths, "mla_decode lengths", dtype=torch.int32, shape=(B,), device=device)
+        if max_length is None:
+            raise ValueError("mla_decode: lengths on the device need max_length, a host bound on them (no sync)")
+    else:
+        slots, lengths = tuple(int(s) for s in slots), tuple(int(n) for n in lengths)
+        if len(slots) != B or len(lengths) != B:
+            raise ValueError(f"mla_decode: {len(slots)} slots and {len(lengths)} lengths for a batch of {B}")
+        for s, n in zip(slots, lengths):
+            if not 0 <= s < num_slots:
+                raise IndexError(f"mla_decode: slot {s} out of range: the cache has {num_slots} slots")
+            if not 1 <= n <= max_len:
+                raise ValueError(f"mla_decode: length {n} outside 1..{max_len} (the cache's rows per slot)")
+        bound = max(lengths, default=1)
+        if max_length is not None and max_length < bound:
+            raise ValueError(f"mla_decode: max_length {max_length} is below the longest length {bound}")
+        max_length = max_length or bound
+        slots, lengths = _device_entries(slots, lengths, device)
+    if not 1 <= max_length <= max_len:
+        raise ValueError(f"mla_decode: max_length {max_length} outside 1..{max_len} (the cache's rows per slot)")
+    return slots, lengths, int(max_length)
+
+
+@functools.lru_cache(maxsize=8)
+def _device_entries(slots: tuple[int, ...], lengths: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same host tuples -> the same device tensors: every layer of a decode step reuses one copy."""
+    both = torch.tensor([slots, lengths], dtype=torch.int32).to(device, non_blocking=True)
+    return both[0], both[1]
+
+
+def _shared_bytes(stages: int, D: int, dtype: torch.dtype) -> int:
+    """Dynamic shared memory of the split kernel: row buffers (pitch D + 8) and the partial scores."""
+    return stages * TILE * (D + 8) * dtype.itemsize + WARPS * (TILE // 8) * 4 * 32 * 4
+
+
+@functools.cache
+def _occupancy(fn_ptr: int, smem: int, device_index: int) -> int:
+    """Opt the kernel in to ``smem`` bytes of dynamic shared memory; return its resident blocks per SM."""
+    import cupy
+
+    drv = cupy.cuda.driver
+    with cupy.cuda.Device(device_index):
+        if smem > 48 * 1024:
+            drv.funcSetAttribute(fn_ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+        return max(1, drv.occupancyMaxActiveBlocksPerMultiprocessor(fn_ptr, WARPS * 32, smem))
+
+
+def _blocks_per_wave(kernel, smem: int, device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    return sms * _occupancy(int(kernel.kernel.ptr), smem, index)

@@ -1,0 +1,366 @@
+// MLA decode attention on the latent cache (chapter 10), with the key and value up-projections
+// absorbed: one query token per batch entry attends over the first `length` rows of its slot.
+//
+//   q      [B, H, D]            absorbed query [W_k^T q_nope | q_pe] in T (bf16 or fp16), D = DL + DR
+//   cache  [S, max_len, D]      rows [latent (DL) | k_pe (DR)] in T
+//   out    [B, H, DL]  fp32     sum_t softmax_t(scale * q . row_t) * latent_t
+//
+// One thread block = 4 warps handles 16 heads (one head group) of one batch entry over one chunk
+// of its context (split-KV). It streams the chunk in tiles of 32 rows through shared memory
+// (cp.async, 16-byte copies, STAGES buffers in flight), so every cache row is read from global
+// memory once for all 16 heads. Both products run on the tensor cores (mma.sync m16n8k16, fp32
+// accumulators); the 16 heads are the M = 16 rows of the MMA:
+//
+//   scores  S [16 heads, 32 tokens] = Q [16, D] . K^T   K = the tile's rows [32, D]
+//   output  O [16 heads, DL]       += P [16, 32] . V    V = the tile's latents [32, DL]
+//
+// Work split inside the block. Scores: warp w multiplies the k-steps (16 columns of D each)
+// w, w+4, w+8, ... for all 32 tokens, keeping its slice of Q in registers; the four partial score
+// tiles are summed through shared memory, in the same order by every warp, so all warps hold the
+// same S and run the same online softmax (FlashAttention recurrence, log2 domain). Output: warp w
+// owns columns [w*DL/4, (w+1)*DL/4) of O, 64 fp32 accumulators per thread for DL = 512.
+//
+// Split-KV. Blocks of one entry cover chunks [split*chunk, (split+1)*chunk) of its context. Each
+// writes its normalised partial o = O / l and lse = m + log2(l) (log2 domain); the combine kernel
+// merges them: out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M). With one split the block
+// writes `out` directly (lse == nullptr). An empty chunk writes o = 0, lse = -inf (weight 0).
+// Fused combine (counters != nullptr): instead of a second launch, the last block of each (entry,
+// head group) to finish — found with an atomic ticket — merges the splits itself, in the fixed
+// order 0, 1, ... (deterministic), writes `final_out` and resets its counter to 0.
+//
+// Where the time goes (H200, measured): a block's tile loop is serial — wait for tile it, score,
+// reduce across warps, softmax, P·V — so a block keeps only STAGES-1 tiles (37 KB each) in
+// flight. The SM's share of DRAM bandwidth is then (tiles in flight per SM x 37 KB) / latency:
+// STAGES = 2 at 2 blocks per SM plateaus at ~68 % of copy bandwidth. STAGES = 4 or 5 (one block
+// per SM, 150-190 KB of shared memory) keep 3-4 tiles in flight; at batch 1 they also put most
+// of a split's chunk in flight at once, hiding the first tile's latency.
+//
+// Bounds. The host checks shapes, dtypes, alignment and max_length <= max_len. On the device, a
+// length is clamped to [0, max_length]; an entry whose slot is outside [0, num_slots) or whose
+// length is <= 0 attends over nothing and gets zeros. Rows past the chunk are zero-filled by
+// cp.async (src-size 0: nothing is read) and masked to -inf, so no NaN can enter through them.
+//
+// Fragment layouts relied on (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point
+// type"; g = lane >> 2, t = lane & 3):
+//   A (16x16, .bf16/.f16, 4 x .b32 regs): reg0 = (row g,   cols 2t, 2t+1)  reg1 = (row g+8, cols 2t, 2t+1)
+//                                         reg2 = (row g,   cols 2t+8, +9)  reg3 = (row g+8, cols 2t+8, +9)
+//   B (16x8, 2 x .b32 regs):              reg0 = (rows k = 2t, 2t+1; col n = g)  reg1 = (rows 2t+8, 2t+9; col g)
+//   C/D (16x8, 4 x f32):                  c0, c1 = (row g, cols 2t, 2t+1)  c2, c3 = (row g+8, cols 2t, 2t+1)
+//   In a .b32 register the lower column (or row, for B) is in the low 16 bits.
+// ldmatrix.m8n8.x4.b16: lanes 8i..8i+7 give the addresses of rows 0..7 of matrix i (16 bytes each);
+// register i of lane l receives matrix i's (row l/4, cols 2(l%4), 2(l%4)+1); with .trans it
+// receives (rows 2(l%4), 2(l%4)+1; col l/4) instead, i.e. the transposed matrix's fragment.
+//   * K as B of the score MMA: B(k = dim, n = token) = row `token`, column `dim` of the tile, so a
+//     stored 8x8 block (8 tokens x 8 dims) read without .trans gives (token g, dims 2t, 2t+1) = reg0.
+//   * V as B of the output MMA: B(k = token, n = dim) — the stored block (8 tokens x 8 dims) read
+//     with .trans gives (tokens 2t, 2t+1; dim g) = reg0.
+//   * P as A of the output MMA comes straight from the score accumulators: for k-step kk (tokens
+//     16kk..16kk+15), reg0 = C-tile 2kk (c0, c1), reg1 = C-tile 2kk (c2, c3), reg2 = C-tile 2kk+1
+//     (c0, c1), reg3 = C-tile 2kk+1 (c2, c3) — the columns line up exactly (FlashAttention-2's trick).
+#include "tensor_core.cuh"
+
+namespace mla {
+constexpr int HEADS = 16;  // heads per block: the M of the MMA
+constexpr int WARPS = 4;
+constexpr int THREADS = WARPS * 32;
+constexpr int TILE = 32;   // cache rows per pipeline stage
+}  // namespace mla
+
+// Dynamic shared memory of mla_decode_split<T, DL, DR, STAGES> (keep in sync with mla_decode.py):
+//   STAGES * TILE rows of PITCH = D + 8 elements (the 16-byte pad puts the 8 rows an ldmatrix
+//   reads in 8 different bank groups), then WARPS x 16 x 32 fp32 partial scores.
+template <typename T, int DL, int DR, int STAGES>
+__global__ void __launch_bounds__(mla::THREADS) mla_decode_split(
+    float* __restrict__ o_part,       // [B, H, splits, DL]; == out [B, H, DL] when splits == 1
+    float* __restrict__ lse_part,     // [B, H, splits], or nullptr when splits == 1
+    float* __restrict__ final_out,    // [B, H, DL]: written by the fused combine (counters != nullptr)
+    const T* __restrict__ q,          // [B, H, D]
+    const T* __restrict__ cache,      // [num_slots, max_len, D]
+    const int* __restrict__ slots,    // [B]
+    const int* __restrict__ lengths,  // [B]
+    int* __restrict__ counters,       // [B, head groups] tickets (all 0) for the fused combine, or nullptr
+    int H, int num_slots, int max_len, int max_length, int chunk, float scale_log2) {
+    using namespace mla;
+    constexpr int D = DL + DR, PITCH = D + 8;
+    constexpr int KS = D / 16;                 // k-steps of the score product
+    constexpr int QKS = (KS + WARPS - 1) / WARPS;  // k-steps per warp (w, w + 4, ...)
+    constexpr int NT_S = TILE / 8;             // score n-tiles (8 tokens each)
+    constexpr int COLS = DL / WARPS;           // output columns per warp
+    constexpr int NT_O = COLS / 8;             // output n-tiles per warp
+    constexpr int VEC_PER_ROW = D / 8;         // 16-byte vectors per cache row
+    static_assert(D % 16 == 0 && DL % (16 * WARPS) == 0 && TILE % 16 == 0, "tile shapes");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sk = reinterpret_cast<T*>(smem_raw);                                      // [STAGES][TILE][PITCH]
+    float* ss = reinterpret_cast<float*>(smem_raw + sizeof(T) * STAGES * TILE * PITCH);  // [WARPS][NT_S*4][32]
+
+    const int split = blockIdx.x, b = blockIdx.y, h0 = blockIdx.z * HEADS, splits = gridDim.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+
+    const int slot = slots[b];
+    int len = min(lengths[b], max_length);
+    if (slot < 0 || slot >= num_slots) len = 0;
+    const int t_begin = split * chunk;
+    const int t_end = min(len, t_begin + chunk);
+    const int ntiles = t_end > t_begin ? (t_end - t_begin + TILE - 1) / TILE : 0;
+    const T* rows = cache + (long long)(ntiles > 0 ? slot : 0) * max_len * D;
+
+    // Stage tile `it` of this chunk into buffer `buf`: 32 rows x D/8 vectors, 128 threads.
+    auto load_tile = [&](int it, int buf) {
+        T* dst = sk + buf * TILE * PITCH;
+        const int tok0 = t_begin + it * TILE;
+        for (int v = threadIdx.x; v < TILE * VEC_PER_ROW; v += THREADS) {
+            const int r = v / VEC_PER_ROW, c = (v % VEC_PER_ROW) * 8;
+            const int tok = tok0 + r;
+            const bool in = tok < t_end;
+            cp_async16(dst + r * PITCH + c, rows + (long long)(in ? tok : t_begin) * D + c, in ? 16 : 0);
+        }
+    };
+
+    // This warp's k-steps of Q as A fragments (rows = heads h0..h0+15; heads >= H are zero).
+    unsigned qa[QKS][4];
+    {
+        const int hg = h0 + g, hg8 = h0 + g + 8;
+        const T* q0 = q + ((long long)b * H + hg) * D;
+        const T* q8 = q + ((long long)b * H + hg8) * D;
+#pragma unroll
+        for (int i = 0; i < QKS; ++i) {
+            const int k0 = (warp + i * WARPS) * 16 + 2 * t;
+            const bool ks_ok = warp + i * WARPS < KS;
+            qa[i][0] = ks_ok && hg < H ? *reinterpret_cast<const unsigned*>(q0 + k0) : 0u;
+            qa[i][1] = ks_ok && hg8 < H ? *reinterpret_cast<const unsigned*>(q8 + k0) : 0u;
+            qa[i][2] = ks_ok && hg < H ? *reinterpret_cast<const unsigned*>(q0 + k0 + 8) : 0u;
+            qa[i][3] = ks_ok && hg8 < H ? *reinterpret_cast<const unsigned*>(q8 + k0 + 8) : 0u;
+        }
+    }
+
+    float o[NT_O][4];
+#pragma unroll
+    for (int n = 0; n < NT_O; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m0 = minus_inf(), m1 = minus_inf();  // running max of rows g and g+8 (log2 domain)
+    float l0 = 0.f, l1 = 0.f;              // this thread's share of the running sums
+
+    // Pipeline prologue: tiles 0 .. STAGES-2 in flight (always commit, so group counts match).
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < ntiles) load_tile(s, s);
+        cp_async_commit();
+    }
+
+    for (int it = 0; it < ntiles; ++it) {
+        cp_async_wait<STAGES - 2>();  // this thread's copies of tile `it` have landed
+        __syncthreads();              // everyone's have; everyone is done with tile it-1 and with ss
+        {
+            const int next = it + STAGES - 1;  // refill the buffer tile it-1 used
+            if (next < ntiles) load_tile(next, next % STAGES);
+            cp_async_commit();
+        }
+        const T* tile = sk + (it % STAGES) * TILE * PITCH;
+        const int tok0 = t_begin + it * TILE;
+
+        // ---- partial scores over this warp's k-steps -------------------------------------------
+        float s[NT_S][4];
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+        for (int i = 0; i < QKS; ++i) {
+            const int ks = warp + i * WARPS;
+            if (ks < KS) {
+#pragma unroll
+                for (int jp = 0; jp < NT_S / 2; ++jp) {
+                    // matrices: (n-tile 2jp, dims lo), (2jp, hi), (2jp+1, lo), (2jp+1, hi)
+                    const int mi = lane >> 3, r = lane & 7;
+                    const int tok = 8 * (2 * jp + (mi >> 1)) + r, dim = ks * 16 + 8 * (mi & 1);
+                    unsigned bf[4];
+                    ldmatrix_x4(bf, tile + tok * PITCH + dim);
+                    mma16816<T>(s[2 * jp], qa[i], bf[0], bf[1]);
+                    mma16816<T>(s[2 * jp + 1], qa[i], bf[2], bf[3]);
+                }
+            }
+        }
+        // ---- sum the WARPS partial tiles (same order in every warp: identical S everywhere) ----
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ss[(warp * NT_S * 4 + j * 4 + e) * 32 + lane] = s[j][e];
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float acc = 0.f;
+#pragma unroll
+                for (int w = 0; w < WARPS; ++w) acc += ss[(w * NT_S * 4 + j * 4 + e) * 32 + lane];
+                const int tok = tok0 + 8 * j + 2 * t + (e & 1);
+                s[j][e] = tok < t_end ? acc * scale_log2 : minus_inf();
+            }
+
+        // ---- online softmax (rows g: e = 0, 1; rows g+8: e = 2, 3) ----------------------------
+        float mx0 = minus_inf(), mx1 = minus_inf();
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j) {
+            mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+        }
+        // the 4 lanes of a quad (lanes 4g..4g+3) hold the 8 columns of rows g, g+8
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float new0 = fmaxf(m0, mx0), new1 = fmaxf(m1, mx1);  // finite: tile has a valid token
+        const float alpha0 = exp2f(m0 - new0), alpha1 = exp2f(m1 - new1);  // exp2(-inf) = 0 at the start
+        m0 = new0;
+        m1 = new1;
+        unsigned pa[NT_S / 2][4];  // P as A fragments, one per 16-token k-step
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j) {
+            // probabilities rounded to T: the MMA multiplies exactly these, and l sums exactly these
+            const float p0 = round_to<T>(exp2f(s[j][0] - new0)), p1 = round_to<T>(exp2f(s[j][1] - new0));
+            const float p2 = round_to<T>(exp2f(s[j][2] - new1)), p3 = round_to<T>(exp2f(s[j][3] - new1));
+            l0 = l0 * (j == 0 ? alpha0 : 1.f) + p0 + p1;
+            l1 = l1 * (j == 0 ? alpha1 : 1.f) + p2 + p3;
+            pa[j >> 1][(j & 1) * 2 + 0] = pack2<T>(p0, p1);
+            pa[j >> 1][(j & 1) * 2 + 1] = pack2<T>(p2, p3);
+        }
+#pragma unroll
+        for (int n = 0; n < NT_O; ++n) {
+            o[n][0] *= alpha0; o[n][1] *= alpha0;
+            o[n][2] *= alpha1; o[n][3] *= alpha1;
+        }
+
+        // ---- O[:, this warp's columns] += P . V ------------------------------------------------
+#pragma unroll
+        for (int kk = 0; kk < TILE / 16; ++kk) {
+#pragma unroll
+            for (int np = 0; np < NT_O / 2; ++np) {
+                // matrices: (tokens lo, n-tile 2np), (tokens hi, 2np), (lo, 2np+1), (hi, 2np+1)
+                const int mi = lane >> 3, r = lane & 7;
+                const int tok = 16 * kk + 8 * (mi & 1) + r, dim = warp * COLS + 16 * np + 8 * (mi >> 1);
+                unsigned bf[4];
+                ldmatrix_x4_trans(bf, tile + tok * PITCH + dim);
+                mma16816<T>(o[2 * np], pa[kk], bf[0], bf[1]);
+                mma16816<T>(o[2 * np + 1], pa[kk], bf[2], bf[3]);
+            }
+        }
+    }
+    cp_async_wait<0>();  // nothing may be in flight when the block exits
+
+    // ---- normalise and write this split's result ---------------------------------------------
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    const int hA = h0 + g, hB = h0 + g + 8;
+#pragma unroll
+    for (int n = 0; n < NT_O; ++n) {
+        const int col = warp * COLS + 8 * n + 2 * t;
+        if (hA < H) {
+            float2 v = make_float2(o[n][0] * inv0, o[n][1] * inv0);
+            *reinterpret_cast<float2*>(o_part + (((long long)b * H + hA) * splits + split) * DL + col) = v;
+        }
+        if (hB < H) {
+            float2 v = make_float2(o[n][2] * inv1, o[n][3] * inv1);
+            *reinterpret_cast<float2*>(o_part + (((long long)b * H + hB) * splits + split) * DL + col) = v;
+        }
+    }
+    if (lse_part != nullptr && warp == 0 && t == 0) {
+        if (hA < H) lse_part[((long long)b * H + hA) * splits + split] = l0 > 0.f ? m0 + log2f(l0) : minus_inf();
+        if (hB < H) lse_part[((long long)b * H + hB) * splits + split] = l1 > 0.f ? m1 + log2f(l1) : minus_inf();
+    }
+    if (counters == nullptr || lse_part == nullptr) return;
+
+    // ---- fused combine: the last block of (entry, head group) to finish merges all its splits ------
+    // Every thread's partial writes are made visible device-wide before thread 0 takes a ticket; the
+    // block that draws ticket splits-1 knows all others have written theirs. It merges the splits in
+    // the fixed order 0, 1, ..., so the result does not depend on which block came last, then puts
+    // the counter back to 0 for the next launch.
+    __shared__ int s_last;
+    __shared__ float s_max[HEADS], s_inv[HEADS];
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int* ticket = counters + (long long)b * gridDim.z + blockIdx.z;
+        s_last = atomicAdd(ticket, 1) == splits - 1;
+        if (s_last) *ticket = 0;  // every other block of this group has taken its ticket already
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    if (threadIdx.x < HEADS) {  // per head: M = max_s lse_s and 1 / sum_s 2^(lse_s - M)
+        const int h = h0 + threadIdx.x;
+        float M = minus_inf(), den = 0.f;
+        if (h < H) {
+            const float* L = lse_part + ((long long)b * H + h) * splits;
+            for (int s = 0; s < splits; ++s) M = fmaxf(M, __ldcg(L + s));
+            if (M != minus_inf())
+                for (int s = 0; s < splits; ++s) den += exp2f(__ldcg(L + s) - M);
+        }
+        s_max[threadIdx.x] = M;
+        s_inv[threadIdx.x] = den > 0.f ? 1.f / den : 0.f;
+    }
+    __syncthreads();
+    constexpr int V4 = DL / 4;  // float4 columns per head
+    for (int i = threadIdx.x; i < HEADS * V4; i += THREADS) {
+        const int hh = i / V4, c = (i % V4) * 4, h = h0 + hh;
+        if (h >= H) continue;
+        const float M = s_max[hh];
+        const long long row = (long long)b * H + h;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (M != minus_inf()) {
+            const float* L = lse_part + row * splits;
+            for (int s = 0; s < splits; ++s) {
+                const float w = exp2f(__ldcg(L + s) - M);
+                const float4 v = __ldcg(reinterpret_cast<const float4*>(o_part + (row * splits + s) * DL + c));
+                acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+            }
+        }
+        const float r = s_inv[hh];
+        *reinterpret_cast<float4*>(final_out + row * DL + c) = make_float4(acc.x * r, acc.y * r, acc.z * r, acc.w * r);
+    }
+}
+
+// Merge the splits of each (entry, head): grid (ceil(DL / 128), H, B), 256 threads. Warp w sums
+// the splits w, w+8, ... for 128 columns (a float4 per lane); the 8 warps' sums meet in shared
+// memory. out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s; all splits empty
+// (M = -inf) gives zeros.
+constexpr int COMBINE_WARPS = 8;
+__global__ void __launch_bounds__(COMBINE_WARPS * 32) mla_decode_combine(
+    float* __restrict__ out, const float* __restrict__ o_part, const float* __restrict__ lse, int splits, int dl) {
+    const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long row = (long long)b * H + h;
+    const float* L = lse + row * splits;
+    float M = minus_inf();
+    for (int s = 0; s < splits; ++s) M = fmaxf(M, L[s]);
+    const int c = blockIdx.x * 128 + lane * 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float den = 0.f;
+    if (M != minus_inf()) {
+        for (int s = warp; s < splits; s += COMBINE_WARPS) {
+            const float w = exp2f(L[s] - M);  // an empty split: exp2(-inf) = 0
+            den += w;
+            if (c < dl) {
+                const float4 v = *reinterpret_cast<const float4*>(o_part + (row * splits + s) * dl + c);
+                acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+            }
+        }
+    }
+    __shared__ float4 sacc[COMBINE_WARPS][32];
+    __shared__ float sden[COMBINE_WARPS];
+    sacc[warp][lane] = acc;
+    if (lane == 0) sden[warp] = den;
+    __syncthreads();
+    if (warp == 0 && c < dl) {
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+        float d = 0.f;
+#pragma unroll
+        for (int w = 0; w < COMBINE_WARPS; ++w) {
+            const float4 v = sacc[w][lane];
+            sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
+            d += sden[w];
+        }
+        const float r = d > 0.f ? 1.f / d : 0.f;
+        *reinterpret_cast<float4*>(out + row * dl + c) = make_float4(sum.x * r, sum.y * r, sum.z * r, sum.w * r);
+    }
+}

@@ -1,0 +1,750 @@
+// DeepSeekMoE on the GPU: router, alignment by expert, grouped expert GEMMs, GEMV decode path, combine.
+//
+//   logits [T, E] fp32 --topk_softmax--> weights [T, k] fp32, ids [T, k] int64
+//   ids --moe_align--> sorted_rows [cap] (choice c = t*k + j, or -1 = padding), slot_of [T*k],
+//                      tile_expert [max_tiles] (expert of each BLOCK-row tile, -1 = unused), offsets [E+1]
+//   x [T, H] --moe_gemm<GATE_UP>--> h [cap, I] = silu(x W_g^T) * (x W_u^T), rows in sorted order
+//   h        --moe_gemm<DOWN>-----> y [cap, H] = h W_d^T
+//   y --moe_combine--> out [T, H] = round(sum_j w[t, j] * y[slot_of[t*k + j]]) (+ shared [T, H])
+// and for a few tokens (decode): moe_gemv_gate_up / moe_gemv_down over the T*k choices directly
+// (y rows in choice order, slot_of = identity).
+//
+// Rounding follows the PyTorch reference (dsv2_lib/moe.py: routed_experts): the gate|up GEMM output is
+// rounded to T before SwiGLU, SwiGLU's output is rounded to T, the down GEMM output is rounded to T,
+// the weighted sum is fp32 (products rounded, then added: no FMA), rounded to T, then the shared
+// experts' output is added in T. All accumulation is fp32.
+//
+// Bounds: ids outside [0, E) are never used as an index: moe_align drops them (slot -1), the GEMV
+// kernels write zeros for them, combine skips slot -1. Everything else (shapes, E <= 256, k <= 32,
+// H and I multiples of 8, 16-byte alignment) the host checks before launch (dsv2_lib/moe.py).
+#include "tensor_core.cuh"
+
+constexpr unsigned FULL = 0xffffffffu;
+constexpr int ROUTER_PER_LANE = 8;  // experts per lane: E <= 32 * 8 = 256 (keep in sync with moe.py)
+
+// ------------------------------------------------------------------------------------------------
+// Router. One warp per token; expert e lives in lane e % 32, slot e / 32.
+// Ties: among equal scores the LOWEST expert id wins (and the lowest group id among equal groups),
+// the rule the reference implements with a stable descending sort.
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ bool better(float v, int i, float w, int j) { return v > w || (v == w && i < j); }
+
+// (v, i) := the best pair over the warp; `better` is a strict total order on distinct ids, so the
+// butterfly leaves every lane with the same answer.
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(FULL, v, off);
+        const int oi = __shfl_xor_sync(FULL, i, off);
+        if (better(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(FULL, x, off));
+    return x;
+}
+
+// weights[t, j], ids[t, j] for the j-th pick, in pick order (descending score).
+// n_group = 0: greedy. n_group > 0: group-limited greedy (E % n_group == 0, n_group <= 32): keep the
+// topk_group groups with the best single expert, others score 0 (as in the reference), then top-k.
+// renorm: w / (sum of the k picks + 1e-20); else w * scale.
+// route_token: one warp routes token t; lane j < k returns pick j in (w, id) (id -1 if out of range).
+__device__ __forceinline__ void route_token(const float* __restrict__ row, int E, int k, int n_group, int topk_group,
+                                            int renorm, float scale, int lane, float& w_out, int& id_out) {
+
+    float p[ROUTER_PER_LANE];
+    float m = minus_inf();
+#pragma unroll
+    for (int s = 0; s < ROUTER_PER_LANE; ++s) {
+        const int e = lane + 32 * s;
+        p[s] = e < E ? row[e] : minus_inf();
+        m = fmaxf(m, p[s]);
+    }
+    m = warp_max(m);
+    float sum = 0.f;
+#pragma unroll
+    for (int s = 0; s < ROUTER_PER_LANE; ++s) {
+        const int e = lane + 32 * s;
+        p[s] = e < E ? expf(p[s] - m) : 0.f;
+        sum += p[s];
+    }
+    sum = warp_sum(sum);
+#pragma unroll
+    for (int s = 0; s < ROUTER_PER_LANE; ++s) {
+        const int e = lane + 32 * s;
+        p[s] = e < E ? p[s] / sum : minus_inf();  // empty slots can never be picked (k <= E)
+    }
+
+    if (n_group > 0) {
+        const int gsize = E / n_group;
+        float gbest = minus_inf();  // lane g holds group g's best score
+        for (int g = 0; g < n_group; ++g) {
+            float b = minus_inf();
+#pragma unroll
+            for (int s = 0; s < ROUTER_PER_LANE; ++s) {
+                const int e = lane + 32 * s;
+                if (e < E && e / gsize == g) b = fmaxf(b, p[s]);
+            }
+            b = warp_max(b);
+            if (lane == g) gbest = b;
+        }
+        unsigned keep = 0;  // bit g: group g kept (the same in every lane)
+        for (int r = 0; r < topk_group; ++r) {
+            float v = gbest;
+            int g = lane < n_group ? lane : 0x7fffffff;
+            if (lane >= n_group) v = minus_inf();
+            warp_argmax(v, g);
+            if (g < n_group) keep |= 1u << g;
+            if (lane == g) gbest = minus_inf();  // taken
+        }
+#pragma unroll
+        for (int s = 0; s < ROUTER_PER_LANE; ++s) {
+            const int e = lane + 32 * s;
+            if (e < E && !((keep >> (e / gsize)) & 1u)) p[s] = 0.f;  // masked to 0, like the reference
+        }
+    }
+
+    float mine_w = 0.f, total = 0.f;
+    int mine_id = 0;
+    for (int j = 0; j < k; ++j) {
+        float v = minus_inf();
+        int i = 0x7fffffff;
+#pragma unroll
+        for (int s = 0; s < ROUTER_PER_LANE; ++s) {
+            const int e = lane + 32 * s;
+            if (better(p[s], e, v, i)) { v = p[s]; i = e; }
+        }
+        warp_argmax(v, i);
+        total += v;  // same order in every lane: pick order
+        if (lane == j) { mine_w = v; mine_id = i; }
+        if ((i & 31) == lane) {  // the owner marks it taken: -1 is below every score (scores >= 0)
+#pragma unroll
+            for (int s = 0; s < ROUTER_PER_LANE; ++s)
+                if (lane + 32 * s == i) p[s] = -1.f;
+        }
+    }
+    w_out = renorm ? mine_w / (total + 1e-20f) : mine_w * scale;
+    id_out = (mine_id >= 0 && mine_id < E) ? mine_id : -1;
+}
+
+__global__ void topk_softmax(float* __restrict__ weights, long long* __restrict__ ids, const float* __restrict__ logits,
+                             int T, int E, int k, int n_group, int topk_group, int renorm, float scale) {
+    const int lane = threadIdx.x & 31;
+    const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (t >= T) return;  // whole warps leave together (t is uniform over a warp)
+    float w;
+    int id;
+    route_token(logits + (long long)t * E, E, k, n_group, topk_group, renorm, scale, lane, w, id);
+    if (lane < k) {
+        weights[(long long)t * k + lane] = w;
+        ids[(long long)t * k + lane] = id;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Alignment. One block of ALIGN_THREADS = 1024 threads (32 warps); warp w owns the contiguous range
+// [w*L, w*L + L) of the n = T*k choices (L = ceil(n / 32)). Dynamic shared memory: cnt [32][E] ints
+// and seg [E+1] ints. Three passes, no atomics on global memory, no host synchronisation:
+//   1. cnt[w][e] = how many of warp w's choices go to expert e;
+//   2. cnt[w][e] := sum over w' < w of cnt[w'][e] (exclusive, per expert); seg[e] = padded start of
+//      expert e's segment: the sum over e' < e of ceil(count(e') / BLOCK) * BLOCK;
+//   3. each warp walks its range in order, 32 choices at a time; lanes with the same expert find each
+//      other with __match_any_sync, and the choice's position is seg[e] + cnt[w][e] + (number of lower
+//      lanes with the same expert). So positions are stable: by choice index, i.e. by token.
+// Outputs are sized for the worst case by the host: max_tiles = (n + E*(BLOCK-1)) / BLOCK tiles,
+// cap = max_tiles * BLOCK rows. sum_e ceil(c_e/BLOCK) <= (n + E*(BLOCK-1)) / BLOCK, so every write fits.
+// ------------------------------------------------------------------------------------------------
+__global__ void moe_align(int* __restrict__ sorted_rows, int* __restrict__ slot_of, int* __restrict__ tile_expert,
+                          int* __restrict__ offsets, const long long* __restrict__ ids,
+                          int n, int E, int block, int max_tiles, int cap) {
+    extern __shared__ int smem[];
+    int* cnt = smem;             // [32][E]
+    int* seg = smem + 32 * E;    // [E + 1]
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+
+    for (int i = tid; i < nwarps * E; i += blockDim.x) cnt[i] = 0;
+    for (int i = tid; i < cap; i += blockDim.x) sorted_rows[i] = -1;
+    for (int i = tid; i < max_tiles; i += blockDim.x) tile_expert[i] = -1;
+    __syncthreads();
+
+    const int L = (n + nwarps - 1) / nwarps;
+    const int lo = warp * L, hi = min(n, lo + L);
+    for (int i = lo + lane; i < hi; i += 32) {  // pass 1
+        const long long e = ids[i];
+        if (e >= 0 && e < E) atomicAdd(&cnt[warp * E + (int)e], 1);  // shared-memory counter
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += blockDim.x) {  // pass 2: per expert, over warps
+        int c = 0;
+        for (int w = 0; w < nwarps; ++w) { const int x = cnt[w * E + e]; cnt[w * E + e] = c; c += x; }
+        seg[e] = c;  // the expert's count, for now
+    }
+    __syncthreads();
+    if (tid == 0) {  // padded exclusive prefix sum over experts (E <= 256: a short serial loop)
+        int acc = 0;
+        for (int e = 0; e < E; ++e) { const int c = seg[e]; seg[e] = acc; acc += (c + block - 1) / block * block; }
+        seg[E] = acc;
+    }
+    __syncthreads();
+    for (int e = tid; e <= E; e += blockDim.x) offsets[e] = seg[e];
+    for (int e = tid; e < E; e += blockDim.x)
+        for (int t = seg[e] / block; t < seg[e + 1] / block; ++t) tile_expert[t] = e;
+
+    for (int base = lo; base < hi; base += 32) {  // pass 3 (base is uniform over the warp)
+        const int i = base + lane;
+        const bool inside = i < hi;
+        const long long e64 = inside ? ids[i] : -1;
+        const bool valid = inside && e64 >= 0 && e64 < E;
+        const int e = valid ? (int)e64 : 0;
+        const unsigned peers = __match_any_sync(FULL, valid ? e : E + lane);  // invalid lanes: alone
+        const int rank = __popc(peers & ((1u << lane) - 1u));
+        int pos = -1;
+        if (valid) {
+            pos = seg[e] + cnt[warp * E + e] + rank;
+            sorted_rows[pos] = i;
+        }
+        if (inside) slot_of[i] = pos;
+        __syncwarp();  // every lane has read cnt before the leader moves it on
+        if (valid && rank == 0) cnt[warp * E + e] += __popc(peers);
+        __syncwarp();
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Grouped GEMM on tensor cores: mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32.
+//
+// Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"), with
+// g = lane >> 2 (groupID) and q = lane & 3 (threadID_in_group); each .b32 register holds two
+// consecutive 16-bit elements, the lower index in the low half:
+//   A (16 x 16, row-major): a[0] = A[g][2q..2q+1],   a[1] = A[g+8][2q..2q+1],
+//                           a[2] = A[g][2q+8..2q+9], a[3] = A[g+8][2q+8..2q+9]
+//   B (16 x 8, "col"):      b[0] = B[2q..2q+1][g],   b[1] = B[2q+8..2q+9][g]
+//                           B[k][n] = W[n][k] for a weight W [N, K] stored row-major (nn.Linear's
+//                           layout), so each register is two consecutive k of one weight row.
+//   C (16 x 8, fp32):       c[0] = C[g][2q], c[1] = C[g][2q+1], c[2] = C[g+8][2q], c[3] = C[g+8][2q+1]
+//
+// Block: 128 threads = 4 warps in a 2 x 2 grid; block tile BM = 64 rows x BN = 128 weight rows,
+// K step BK = 32. Warp (wm, wn) owns rows wm*32 + [0, 32) and weight rows wn*64 + [0, 64): 2 x 8 mma
+// tiles, 64 fp32 accumulators per thread. Shared tiles are row-major with a row pitch of
+// BK + 8 = 40 elements (80 bytes): 16-byte stores stay aligned, and the 32 lanes' 4-byte fragment
+// loads (row g, word q) hit banks (20 g + q) mod 32, all distinct: no bank conflicts.
+// Global -> register -> shared double buffering: the next K step's loads are in flight while the
+// tensor cores work on this one.
+//
+// GATE_UP: tile rows are the sorted choices (x[token] for a real choice, 0 for padding); weight row r
+//   of the block's 128 maps to column n0 + (r / 64) * 32 + r % 32 of the gate (r % 64 < 32) or up
+//   (r % 64 >= 32) half: so warp wn's mma tiles nj = 0..3 hold gate columns and nj + 4 the up columns
+//   with the same index, in the same registers' positions, and SwiGLU fuses into the epilogue.
+//   n0 = blockIdx.y * 64; out h [cap, I].
+// DOWN: tile rows are rows of h; weight row r = output column n0 + r, n0 = blockIdx.y * 128; out y [cap, H].
+// blockIdx.x = tile; tiles past the last expert's segment (tile_expert = -1) exit at once.
+// ------------------------------------------------------------------------------------------------
+constexpr int BM = 64, BN = 128, BK = 32, PITCH = BK + 8, GEMM_THREADS = 128;
+
+__device__ __forceinline__ unsigned ld32(const void* p) { return *reinterpret_cast<const unsigned*>(p); }
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
+
+template <typename T, bool GATE_UP>
+__global__ void __launch_bounds__(GEMM_THREADS)
+moe_gemm(T* __restrict__ out, const T* __restrict__ a_src, const T* __restrict__ w_all,
+         const int* __restrict__ sorted_rows, const int* __restrict__ tile_expert,
+         int n_out, int K, int topk) {
+    const int tile = blockIdx.x;
+    const int e = tile_expert[tile];
+    if (e < 0) return;  // uniform over the block, before any barrier
+    __shared__ alignas(16) T As[BM][PITCH];
+    __shared__ alignas(16) T Bs[BN][PITCH];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp >> 1, wn = warp & 1, g = lane >> 2, q = lane & 3;
+    const int n0 = blockIdx.y * (GATE_UP ? BN / 2 : BN);
+    const long long w_rows = GATE_UP ? 2LL * n_out : (long long)n_out;
+    const T* W = w_all + (long long)e * w_rows * K;
+
+    // Each thread stages 2 vectors of A and 4 of B per K step: vector v covers row v / 4, k (v % 4) * 8.
+    const T* a_ptr[2];
+    const T* b_ptr[4];
+#pragma unroll
+    for (int l = 0; l < 2; ++l) {
+        const int v = tid + l * GEMM_THREADS, r = v >> 2, kv = (v & 3) * 8;
+        const long long p = (long long)tile * BM + r;
+        const T* src = nullptr;
+        if constexpr (GATE_UP) {
+            const int c = sorted_rows[p];
+            if (c >= 0) src = a_src + (long long)(c / topk) * K + kv;
+        } else {
+            src = a_src + p * K + kv;  // h rows of a used tile always exist (padding rows are 0)
+        }
+        a_ptr[l] = src;
+    }
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+        const int v = tid + l * GEMM_THREADS, r = v >> 2, kv = (v & 3) * 8;
+        int col;
+        long long wrow;
+        if constexpr (GATE_UP) {
+            col = n0 + (r >> 6) * 32 + (r & 31);
+            wrow = ((r >> 5) & 1) ? (long long)n_out + col : col;  // rows 32..63 of each 64: up
+        } else {
+            col = n0 + r;
+            wrow = col;
+        }
+        b_ptr[l] = col < n_out ? W + wrow * K + kv : nullptr;
+    }
+
+    Vec16<T> ra[2], rb[4];
+    Vec16<T> zero;
+#pragma unroll
+    for (int j = 0; j < Vec16<T>::N; ++j) zero.v[j] = from_float<T>(0.f);
+    auto load = [&](int k0) {  // K % 8 == 0 (host check), so a vector is either all inside K or all outside
+#pragma unroll
+        for (int l = 0; l < 2; ++l) {
+            const int kv = ((tid + l * GEMM_THREADS) & 3) * 8;
+            ra[l] = (a_ptr[l] && k0 + kv < K) ? load16(a_ptr[l] + k0) : zero;
+        }
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            const int kv = ((tid + l * GEMM_THREADS) & 3) * 8;
+            rb[l] = (b_ptr[l] && k0 + kv < K) ? load16(b_ptr[l] + k0) : zero;
+        }
+    };
+    auto stage = [&]() {
+#pragma unroll
+        for (int l = 0; l < 2; ++l) { const int v = tid + l * GEMM_THREADS; store16(&As[v >> 2][(v & 3) * 8], ra[l]); }
+#pragma unroll
+        for (int l = 0; l < 4; ++l) { const int v = tid + l * GEMM_THREADS; store16(&Bs[v >> 2][(v & 3) * 8], rb[l]); }
+    };
+
+    float acc[2][8][4] = {};
+    load(0);
+    stage();
+    __syncthreads();
+    for (int k0 = 0; k0 < K; k0 += BK) {
+        const bool more = k0 + BK < K;
+        if (more) load(k0 + BK);  // in flight during the mma below
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            unsigned a[2][4], b[8][2];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                const int r = wm * 32 + mi * 16 + g;
+                a[mi][0] = ld32(&As[r][kk + 2 * q]);
+                a[mi][1] = ld32(&As[r + 8][kk + 2 * q]);
+                a[mi][2] = ld32(&As[r][kk + 2 * q + 8]);
+                a[mi][3] = ld32(&As[r + 8][kk + 2 * q + 8]);
+            }
+#pragma unroll
+            for (int nj = 0; nj < 8; ++nj) {
+                const int c = wn * 64 + nj * 8 + g;
+                b[nj][0] = ld32(&Bs[c][kk + 2 * q]);
+                b[nj][1] = ld32(&Bs[c][kk + 2 * q + 8]);
+            }
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                for (int nj = 0; nj < 8; ++nj) mma16816<T>(acc[mi][nj], a[mi], b[nj][0], b[nj][1]);
+        }
+        __syncthreads();  // everyone is done with this K step's tiles
+        if (more) {
+            stage();
+            __syncthreads();
+        }
+    }
+
+    // Epilogue: C fragment element c of tile (mi, nj) is row wm*32 + mi*16 + g + 8*(c >> 1),
+    // column (of the block's 128) wn*64 + nj*8 + 2q + (c & 1).
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const long long p = (long long)tile * BM + wm * 32 + mi * 16 + g + 8 * (c >> 1);
+            if constexpr (GATE_UP) {
+#pragma unroll
+                for (int nj = 0; nj < 4; ++nj) {
+                    const int n = n0 + wn * 32 + nj * 8 + 2 * q + (c & 1);
+                    if (n < n_out)
+                        out[p * n_out + n] = from_float<T>(silu_mul(round_to<T>(acc[mi][nj][c]), round_to<T>(acc[mi][nj + 4][c])));
+                }
+            } else {
+#pragma unroll
+                for (int nj = 0; nj < 8; ++nj) {
+                    const int n = n0 + wn * 64 + nj * 8 + 2 * q + (c & 1);
+                    if (n < n_out) out[p * n_out + n] = from_float<T>(acc[mi][nj][c]);
+                }
+            }
+        }
+}
+
+// ------------------------------------------------------------------------------------------------
+// GEMV path (a few tokens). blockIdx.x = choice c = t*k + j (expert ids[c]), blockIdx.y = a slab of
+// GEMV_ROWS = 16 output columns; 8 warps, 2 columns per warp. The block keeps its input row (x[t] or
+// h[c]) in shared memory as fp32; each warp streams its weight rows with 16-byte loads (lane l reads
+// vectors l, l+32, ...), reduces with shuffles, lane 0 writes. So the 6 selected experts' weights are
+// spread over (T*k) x (I/16) or (T*k) x (H/16) blocks, i.e. over every SM of the GPU.
+// Dynamic shared memory: width * 4 bytes.
+// ------------------------------------------------------------------------------------------------
+constexpr int GEMV_THREADS = 256, GEMV_COLS_PER_WARP = 2, GEMV_ROWS = (GEMV_THREADS / 32) * GEMV_COLS_PER_WARP;
+
+// (s0, s1) = (w0 . xs, w1 . xs) over K (a multiple of the vector width), summed over the warp: both
+// rows stream in one loop, unrolled so that each lane keeps up to 8 16-byte loads in flight.
+template <typename T>
+__device__ __forceinline__ void dot2(const T* __restrict__ w0, const T* __restrict__ w1, const float* __restrict__ xs,
+                                     int K, int lane, float& s0, float& s1) {
+    constexpr int N = Vec16<T>::N;
+    float a0 = 0.f, a1 = 0.f;
+#pragma unroll 4
+    for (int v = lane; v < K / N; v += 32) {
+        const Vec16<T> u0 = load16(w0 + v * N), u1 = load16(w1 + v * N);
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            const float xv = xs[v * N + j];
+            a0 = fmaf(to_float(u0.v[j]), xv, a0);
+            a1 = fmaf(to_float(u1.v[j]), xv, a1);
+        }
+    }
+    s0 = warp_sum(a0);
+    s1 = warp_sum(a1);
+}
+
+// h[c, n] = round(silu(round(x[t] . W_gate[n])) * round(x[t] . W_up[n])), t = c / topk.
+template <typename T>
+__global__ void __launch_bounds__(GEMV_THREADS)
+moe_gemv_gate_up(T* __restrict__ h, const T* __restrict__ x, const T* __restrict__ w_all,
+                 const long long* __restrict__ ids, int topk, int E, int H, int I) {
+    extern __shared__ float xs[];
+    const int c = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long e = ids[c];
+    const bool valid = e >= 0 && e < E;
+    const T* xr = x + (long long)(c / topk) * H;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) xs[i] = to_float(xr[i]);
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < GEMV_COLS_PER_WARP; ++r) {
+        const int n = blockIdx.y * GEMV_ROWS + warp * GEMV_COLS_PER_WARP + r;
+        if (n >= I) break;  // uniform over the warp
+        float out = 0.f;
+        if (valid) {
+            const T* W = w_all + e * 2LL * I * H;
+            float gate, up;
+            dot2(W + (long long)n * H, W + (long long)(I + n) * H, xs, H, lane, gate, up);
+            out = silu_mul(round_to<T>(gate), round_to<T>(up));
+        }
+        if (lane == 0) h[(long long)c * I + n] = from_float<T>(out);
+    }
+}
+
+// y[c, n] = round(h[c] . W_down[n]) for the warp's two columns n0, n0 + 1.
+template <typename T>
+__global__ void __launch_bounds__(GEMV_THREADS)
+moe_gemv_down(T* __restrict__ y, const T* __restrict__ h, const T* __restrict__ w_all,
+              const long long* __restrict__ ids, int E, int H, int I) {
+    static_assert(GEMV_COLS_PER_WARP == 2, "one dot2 per warp");
+    extern __shared__ float hs[];
+    const int c = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long e = ids[c];
+    const bool valid = e >= 0 && e < E;
+    const T* hr = h + (long long)c * I;
+    for (int i = threadIdx.x; i < I; i += blockDim.x) hs[i] = to_float(hr[i]);
+    __syncthreads();
+    const int n0 = blockIdx.y * GEMV_ROWS + warp * GEMV_COLS_PER_WARP;
+    if (n0 >= H) return;  // no barrier follows
+    const int n1 = n0 + 1 < H ? n0 + 1 : n0;  // past the edge: read row n0 twice, write it once
+    float s0 = 0.f, s1 = 0.f;
+    if (valid) {
+        const T* W = w_all + e * (long long)H * I;
+        dot2(W + (long long)n0 * I, W + (long long)n1 * I, hs, I, lane, s0, s1);
+    }
+    if (lane == 0) {
+        y[(long long)c * H + n0] = from_float<T>(s0);
+        if (n1 != n0) y[(long long)c * H + n1] = from_float<T>(s1);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Combine. One block per token t; its threads stride over the H columns. For each column the k
+// weighted rows are summed in pick order j = 0..k-1 (fixed: the same result on every run, no atomics),
+// each product rounded before the add (__fmul_rn/__fadd_rn: no FMA contraction, as the reference's
+// y * w then index_add). slot_of = nullptr means y is in choice order (GEMV paths); slot -1 = dropped.
+// ids != nullptr: choices whose id is outside [0, E) are dropped too (the grouped GEMV never writes
+// their y rows). shared = nullptr means no shared experts.
+// ------------------------------------------------------------------------------------------------
+template <typename T>
+__global__ void moe_combine(T* __restrict__ out, const T* __restrict__ y, const float* __restrict__ weights,
+                            const int* __restrict__ slot_of, const T* __restrict__ shared, int topk, int H,
+                            const long long* __restrict__ ids, int E) {
+    const long long t = blockIdx.x;
+    for (int n = threadIdx.x; n < H; n += blockDim.x) {
+        float acc = 0.f;
+        for (int j = 0; j < topk; ++j) {
+            const long long c = t * topk + j;
+            long long s = slot_of ? (long long)slot_of[c] : c;
+            if (ids && !(ids[c] >= 0 && ids[c] < E)) s = -1;
+            if (s >= 0) acc = __fadd_rn(acc, __fmul_rn(weights[c], to_float(y[s * H + n])));
+        }
+        float r = round_to<T>(acc);
+        if (shared) r = r + to_float(shared[t * H + n]);
+        out[t * H + n] = from_float<T>(r);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Grouped GEMV path (a few tokens): the choices grouped by expert, so each selected expert's weight
+// rows are read ONCE and applied to all its tokens (the per-choice GEMV above reads an expert once
+// per (token, choice)). The shared experts are more work items of the same kernels.
+//
+// Work items (built on the GPU by build_items, no host sync): the valid choices sorted by expert
+// (stable: by token) into sorted [n], then each expert's segment cut into items of at most GEMV_TB
+// choices: items[3i..3i+2] = (expert, first position in sorted, count); *n_items = how many.
+// Items are expert-major: item i's expert <= item i+1's. At most min(E, n) + n / GEMV_TB items.
+//
+// Launches (moe.py: _gemv_grouped, moe_decode):
+//   moe_route_gemv   block 0: router (route_token, one warp per token) + build_items;
+//                    blocks 1..: the shared experts' gate|up (optional; overlaps the router's latency)
+//   (or moe_gemv_items: build_items from given ids)
+//   moe_gemv_grouped<T, true>   grid (slot, column chunk): h[c] for routed items, h_sh[t] for the
+//                               shared slots (if not already done by moe_route_gemv)
+//   moe_gemv_grouped<T, false>  grid (slot, column chunk): y[c] = round(h[c] W_d^T), y_sh[t] likewise
+//   moe_combine                 out = round(sum_j w y) + y_sh (fixed order: deterministic)
+// Slots: [0, max_items) routed items (slots >= *n_items exit at once), then the shared slots: for
+// gate|up S parts (part s = intermediate columns [s I, s I + I) of the shared MLP) x ceil(T / GEMV_TB)
+// token chunks, for down ceil(T / GEMV_TB) token chunks (K = S I).
+// Block: nw = blockDim.x / 32 warps, each warp cpw output columns n = (chunk cpw + r) nw + warp.
+// Each lane keeps GEMV_U 16-byte vectors per weight row in flight (v = base + 32 q + lane), then
+// multiplies them by each of the item's (<= GEMV_TB) activation rows read from L1/L2.
+// ------------------------------------------------------------------------------------------------
+constexpr int GEMV_TB = 8;  // choices per work item (keep in sync with moe.py)
+constexpr int GEMV_U = 8;   // 16-byte vectors in flight per lane per K chunk, over all NR weight rows
+
+// acc[j][r] += (this lane's share of) w[r] . a[arow[j]] over K, for j < cnt; rows of a are K long.
+template <typename T, int NR>
+__device__ __forceinline__ void gemv_rows(float (&acc)[GEMV_TB][NR], const T* const (&w)[NR], int K,
+                                          const T* __restrict__ a, const int (&arow)[GEMV_TB], int cnt, int lane) {
+    constexpr int N = Vec16<T>::N, U = GEMV_U / NR;  // U vectors per row: 8 (down) or 4 + 4 (gate|up)
+    const int nvec = K / N;
+    for (int base = 0; base < nvec; base += 32 * U) {
+        Vec16<T> wv[NR][U];
+#pragma unroll
+        for (int q = 0; q < U; ++q) {
+            const int v = base + q * 32 + lane;
+#pragma unroll
+            for (int r = 0; r < NR; ++r)
+                if (v < nvec) wv[r][q] = load16(w[r] + (long long)v * N);
+        }
+#pragma unroll
+        for (int j = 0; j < GEMV_TB; ++j) {
+            if (j >= cnt) break;  // uniform over the warp
+            const T* ar = a + (long long)arow[j] * K;
+#pragma unroll
+            for (int q = 0; q < U; ++q) {
+                const int v = base + q * 32 + lane;
+                if (v < nvec) {
+                    const Vec16<T> av = load16(ar + (long long)v * N);
+#pragma unroll
+                    for (int e = 0; e < N; ++e) {
+                        const float xe = to_float(av.v[e]);
+#pragma unroll
+                        for (int r = 0; r < NR; ++r) acc[j][r] = fmaf(to_float(wv[r][q].v[e]), xe, acc[j][r]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// One (slot, column chunk) unit of the grouped GEMV. GATE_UP: out rows h[c] (routed) / h_sh[t] (shared),
+// h = round(silu(round(x W_g^T)) * round(x W_u^T)); else y[c] / y_sh[t] = round(h W_d^T).
+// w: routed experts' gate_up [E, 2I, H] or down [E, H, I]; w_sh: the shared MLP's gate_up [2 S I, H]
+// or down [H, S I] (nullptr: no shared slots). n_items: nullptr = no routed slots (router kernel).
+template <typename T, bool GATE_UP>
+__device__ __forceinline__ void gemv_unit(int slot, int chunk, int cpw, T* __restrict__ out, T* __restrict__ out_sh,
+                                          const T* __restrict__ a, const T* __restrict__ a_sh,
+                                          const T* __restrict__ w, const T* __restrict__ w_sh,
+                                          const int* __restrict__ sorted, const int* __restrict__ items,
+                                          const int* __restrict__ n_items, int max_items,
+                                          int T_, int k, int H, int I, int S) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int arow[GEMV_TB], orow[GEMV_TB];
+    int cnt;
+    const T* w0;        // row 0 of this unit's weight (gate rows / down rows)
+    const T* w1 = nullptr;  // GATE_UP: row 0 of the up rows
+    const T* act;
+    T* dst;
+    long long ldo;      // output row stride
+    int K, n_cols;      // reduction length, output columns of this unit
+    if (slot < max_items) {  // a routed item
+        if (slot >= *n_items) return;  // uniform over the block; no barrier follows
+        const int e = items[3 * slot], start = items[3 * slot + 1];
+        cnt = items[3 * slot + 2];
+#pragma unroll
+        for (int j = 0; j < GEMV_TB; ++j) {
+            const int c = j < cnt ? sorted[start + j] : 0;
+            arow[j] = GATE_UP ? c / k : c;  // gate|up reads x[token], down reads h[choice]
+            orow[j] = c;
+        }
+        if constexpr (GATE_UP) {
+            w0 = w + (long long)e * 2 * I * H;
+            w1 = w0 + (long long)I * H;
+        } else {
+            w0 = w + (long long)e * H * I;
+        }
+        act = a;
+        dst = out;
+        ldo = GATE_UP ? I : H;
+        K = GATE_UP ? H : I;
+        n_cols = GATE_UP ? I : H;
+    } else {  // a shared slot
+        const int nchunk = (T_ + GEMV_TB - 1) / GEMV_TB;
+        const int p = slot - max_items;
+        const int part = GATE_UP ? p / nchunk : 0, q = GATE_UP ? p % nchunk : p;
+        if (w_sh == nullptr || part >= S || q >= nchunk) return;
+        cnt = min(GEMV_TB, T_ - q * GEMV_TB);
+#pragma unroll
+        for (int j = 0; j < GEMV_TB; ++j) arow[j] = orow[j] = q * GEMV_TB + (j < cnt ? j : 0);
+        if constexpr (GATE_UP) {
+            w0 = w_sh + (long long)part * I * H;
+            w1 = w_sh + ((long long)S * I + (long long)part * I) * H;
+            dst = out_sh + (long long)part * I;
+            ldo = (long long)S * I;
+            K = H;
+            n_cols = I;
+        } else {
+            w0 = w_sh;
+            dst = out_sh;
+            ldo = H;
+            K = S * I;
+            n_cols = H;
+        }
+        act = a_sh;
+    }
+#pragma unroll 1
+    for (int r = 0; r < cpw; ++r) {
+        const int n = (chunk * cpw + r) * nw + warp;
+        if (n >= n_cols) break;  // uniform over the warp
+        if constexpr (GATE_UP) {
+            const T* wr[2] = {w0 + (long long)n * K, w1 + (long long)n * K};
+            float acc[GEMV_TB][2] = {};
+            gemv_rows<T, 2>(acc, wr, K, act, arow, cnt, lane);
+#pragma unroll
+            for (int j = 0; j < GEMV_TB; ++j) {
+                if (j >= cnt) break;
+                const float g = warp_sum(acc[j][0]), u = warp_sum(acc[j][1]);
+                if (lane == 0) dst[(long long)orow[j] * ldo + n] = from_float<T>(silu_mul(round_to<T>(g), round_to<T>(u)));
+            }
+        } else {
+            const T* wr[1] = {w0 + (long long)n * K};
+            float acc[GEMV_TB][1] = {};
+            gemv_rows<T, 1>(acc, wr, K, act, arow, cnt, lane);
+#pragma unroll
+            for (int j = 0; j < GEMV_TB; ++j) {
+                if (j >= cnt) break;
+                const float y = warp_sum(acc[j][0]);
+                if (lane == 0) dst[(long long)orow[j] * ldo + n] = from_float<T>(y);
+            }
+        }
+    }
+}
+
+// grid (max_items + shared slots, column chunks), see above.
+template <typename T, bool GATE_UP>
+__global__ void __launch_bounds__(256)
+moe_gemv_grouped(T* __restrict__ out, T* __restrict__ out_sh, const T* __restrict__ a, const T* __restrict__ a_sh,
+                 const T* __restrict__ w, const T* __restrict__ w_sh, const int* __restrict__ sorted,
+                 const int* __restrict__ items, const int* __restrict__ n_items, int max_items,
+                 int T_, int k, int H, int I, int S, int cpw) {
+    gemv_unit<T, GATE_UP>(blockIdx.x, blockIdx.y, cpw, out, out_sh, a, a_sh, w, w_sh, sorted, items, n_items, max_items,
+                          T_, k, H, I, S);
+}
+
+// The items of the n choices whose expert ids (-1 = dropped) are in shared memory s_ids [n]; scratch
+// s_cnt, s_start, s_istart [E] in shared memory. Called by the whole block (it has barriers).
+__device__ void build_items(const int* __restrict__ s_ids, int n, int E, int* s_cnt, int* s_start, int* s_istart,
+                            int* __restrict__ sorted, int* __restrict__ items, int* __restrict__ n_items) {
+    const int tid = threadIdx.x;
+    for (int e = tid; e < E; e += blockDim.x) s_cnt[e] = 0;
+    __syncthreads();
+    for (int i = tid; i < n; i += blockDim.x)
+        if (s_ids[i] >= 0) atomicAdd(&s_cnt[s_ids[i]], 1);  // counts: order-independent
+    __syncthreads();
+    if (tid < 32) {  // warp 0: exclusive prefix sums over experts of the counts and of the items
+        int run_c = 0, run_i = 0;
+        for (int e0 = 0; e0 < E; e0 += 32) {
+            const int e = e0 + tid;
+            const int c = e < E ? s_cnt[e] : 0, it = (c + GEMV_TB - 1) / GEMV_TB;
+            int sc = c, si = it;  // inclusive scan over the 32 lanes
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const int pc = __shfl_up_sync(FULL, sc, off), pi = __shfl_up_sync(FULL, si, off);
+                if (tid >= off) { sc += pc; si += pi; }
+            }
+            if (e < E) { s_start[e] = run_c + sc - c; s_istart[e] = run_i + si - it; }
+            run_c += __shfl_sync(FULL, sc, 31);
+            run_i += __shfl_sync(FULL, si, 31);
+        }
+        if (tid == 0) *n_items = run_i;
+    }
+    __syncthreads();
+    for (int i = tid; i < n; i += blockDim.x) {  // stable scatter: rank = earlier choices of the same expert
+        const int e = s_ids[i];
+        if (e < 0) continue;
+        int rank = 0;
+        for (int j = 0; j < i; ++j) rank += s_ids[j] == e;  // all lanes read the same j: a broadcast
+        sorted[s_start[e] + rank] = i;
+    }
+    for (int e = tid; e < E; e += blockDim.x) {
+        const int c = s_cnt[e];
+        for (int q = 0; q * GEMV_TB < c; ++q) {
+            int* it = items + 3 * (s_istart[e] + q);
+            it[0] = e;
+            it[1] = s_start[e] + q * GEMV_TB;
+            it[2] = min(GEMV_TB, c - q * GEMV_TB);
+        }
+    }
+}
+
+// One block: the items of given ids [n] (int64; outside [0, E) = dropped). Dynamic shared memory (n + 3E) ints.
+__global__ void moe_gemv_items(int* __restrict__ sorted, int* __restrict__ items, int* __restrict__ n_items,
+                               const long long* __restrict__ ids, int n, int E) {
+    extern __shared__ int ismem[];
+    int* s_ids = ismem;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const long long e = ids[i];
+        s_ids[i] = (e >= 0 && e < E) ? (int)e : -1;
+    }
+    __syncthreads();
+    build_items(s_ids, n, E, ismem + n, ismem + n + E, ismem + n + 2 * E, sorted, items, n_items);
+}
+
+// Block 0: the router for all T_ tokens (one warp per token, as topk_softmax) and build_items.
+// Blocks 1..: the shared slots of the gate|up GEMV (gemv_unit with no routed slots), if w_sh != nullptr;
+// unit u = (slot u / n_chunks, chunk u % n_chunks). Dynamic shared memory (T_ k + 3E) ints.
+template <typename T>
+__global__ void __launch_bounds__(256)
+moe_route_gemv(float* __restrict__ weights, long long* __restrict__ ids, const float* __restrict__ logits,
+               int T_, int E, int k, int n_group, int topk_group, int renorm, float scale,
+               int* __restrict__ sorted, int* __restrict__ items, int* __restrict__ n_items,
+               T* __restrict__ h_sh, const T* __restrict__ x, const T* __restrict__ w_sh, int H, int I, int S,
+               int cpw, int n_chunks) {
+    if (blockIdx.x > 0) {
+        const int u = blockIdx.x - 1;
+        gemv_unit<T, true>(u / n_chunks, u % n_chunks, cpw, nullptr, h_sh, nullptr, x, nullptr, w_sh, nullptr,
+                           nullptr, nullptr, 0, T_, k, H, I, S);
+        return;  // uniform over the block
+    }
+    extern __shared__ int rsmem[];
+    int* s_ids = rsmem;
+    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    for (int t = threadIdx.x >> 5; t < T_; t += nw) {
+        float w;
+        int id;
+        route_token(logits + (long long)t * E, E, k, n_group, topk_group, renorm, scale, lane, w, id);
+        if (lane < k) {
+            weights[(long long)t * k + lane] = w;
+            ids[(long long)t * k + lane] = id;
+            s_ids[t * k + lane] = id;
+        }
+    }
+    __syncthreads();
+    const int n = T_ * k;
+    build_items(s_ids, n, E, rsmem + n, rsmem + n + E, rsmem + n + 2 * E, sorted, items, n_items);
+}

@@ -1,0 +1,149 @@
+"""Prefill attention kernels against the packed reference on the GPU (``pytest -m gpu``).
+
+Tolerance. The reference computes in fp32 from the same rounded inputs and rounds the output
+once to the dtype. The kernels also accumulate in fp32 but (a) sum in another order and use
+exp2 of pre-scaled scores: a few fp32 ulps, and (b) the tensor-core kernel rounds the softmax
+weights p (<= 1) to the dtype before P V, an error of at most half an ulp, 2^-9 p for bf16 and
+2^-12 p for fp16. Since the weights of a row sum to 1 (after the division by l, which sums the
+unrounded p), (b) moves the output by at most 2^-9 max|v| (bf16) or 2^-12 max|v| (fp16). Each
+side's output rounding adds half an output ulp (2^-9 or 2^-12 relative), so
+|kernel - reference| <= 2 * (2^-p max|v| + 2^-p |reference|) with p = 9 (bf16) / 12 (fp16)
+holds with a factor 2 to spare for (a); fp32 (no rounding of p) gets 1e-5 (max|v| + |reference|).
+"""
+import numpy as np
+import pytest
+import torch
+
+from dsv2_lib import attention
+from dsv2_lib.attention import prefill_attention, prefill_attention_reference
+
+pytestmark = pytest.mark.gpu
+
+SCALE = 0.114721
+EPS = {torch.float32: 1e-5, torch.float16: 2**-12, torch.bfloat16: 2**-9}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+CASES = {  # name -> (query lengths, cached starts)
+    "len1": ([1], [0]), "len15": ([15], [0]), "len16": ([16], [0]), "len17": ([17], [0]),
+    "len1000": ([1000], [0]),
+    "mixed": ([17, 1, 64, 130, 5], [0, 0, 0, 0, 0]),
+    "mixed_with_cache": ([17, 1, 64, 130, 5, 0], [3, 200, 64, 0, 1000, 7]),
+}
+
+
+def make(lens_q, starts, dtype, h=16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    lens_k = [s + n for s, n in zip(starts, lens_q)]
+    Tq, Tk = sum(lens_q), sum(lens_k)
+    q = torch.randn(Tq, h, 192, device="cuda", generator=g).to(dtype)
+    kv = torch.randn(Tk, h, 256, device="cuda", generator=g).to(dtype)  # [k_nope | v], as kv_b_proj makes them
+    k_pe = torch.randn(Tk, 576, device="cuda", generator=g).to(dtype)[:, 512:]  # a strided slice of cache rows
+    cu_q = torch.tensor([0, *np.cumsum(lens_q)], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *np.cumsum(lens_k)], dtype=torch.int32, device="cuda")
+    return q, kv[..., :128], k_pe, kv[..., 128:], cu_q, cu_k
+
+
+def close(out, ref, v, dtype):
+    eps = EPS[dtype]
+    bound = 2 * eps * (v.float().abs().max() + ref.float().abs())
+    return bool(((out.float() - ref.float()).abs() <= bound).all())
+
+
+def versions(dtype):
+    return ["naive", "tiled", "sdpa", None] + (list(attention.MMA_VARIANTS) if dtype != torch.float32 else [])
+
+
+@pytest.fixture(autouse=True)
+def kernels_on(monkeypatch):
+    monkeypatch.setenv("DSV2_BACKEND", "cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.heavy) if c == "len1000" else c for c in CASES])
+def test_every_version_matches_the_reference(case, dtype):
+    args = make(*CASES[case], dtype)
+    ref = prefill_attention_reference(*args, SCALE)
+    for version in versions(dtype):
+        if version == "naive" and case == "len1000" and dtype != torch.bfloat16:
+            continue  # one thread per (query, head) over 1000 keys: slow, and the bf16 run covers it
+        out = prefill_attention(*args, SCALE, version=version)
+        assert out.shape == ref.shape and out.dtype == dtype
+        assert close(out, ref, args[3], dtype), f"version {version}"
+
+
+@pytest.mark.parametrize("backend", ["kernel", "sdpa"])
+def test_default_dispatch_follows_the_backend_rule(monkeypatch, backend):
+    monkeypatch.setattr(attention, "prefill_backend", lambda *args: backend)
+    args = make([100, 37], [0, 20], torch.bfloat16)
+    assert close(prefill_attention(*args, SCALE), prefill_attention_reference(*args, SCALE), args[3], torch.bfloat16)
+
+
+@pytest.mark.parametrize("variant", ["mma", "mma_w2"])
+def test_default_dispatch_uses_the_chosen_variants(monkeypatch, variant):
+    """The default path launches KERNEL_VARIANT / SMALL_KERNEL_VARIANT (whatever the benchmark set)."""
+    monkeypatch.setattr(attention, "KERNEL_VARIANT", variant)
+    monkeypatch.setattr(attention, "SMALL_KERNEL_VARIANT", variant)
+    args = make([300, 37, 1], [0, 20, 5], torch.bfloat16)
+    assert close(prefill_attention(*args, SCALE), prefill_attention_reference(*args, SCALE), args[3], torch.bfloat16)
+
+
+@pytest.mark.parametrize("variant", list(attention.MMA_VARIANTS))
+def test_mma_variants_on_long_sequences(variant):
+    """Many key tiles (both buffers of the two-stage variants cycle), several query tiles, a cached prefix."""
+    args = make([1100, 700], [0, 333], torch.bfloat16, seed=1)
+    ref = prefill_attention_reference(*args, SCALE)
+    assert close(prefill_attention(*args, SCALE, version=variant), ref, args[3], torch.bfloat16)
+
+
+def test_unaligned_rows_take_the_tiled_kernel():
+    """k_pe one element into the cache row is not 16-byte aligned: the mma kernel refuses, the default path
+    quietly takes the tiled kernel (scalar loads) and is still right."""
+    q, k_nope, _, v, cu_q, cu_k = make([40], [9], torch.bfloat16)
+    k_pe = torch.randn(49, 66, device="cuda").to(torch.bfloat16)[:, 1:65]
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        prefill_attention(q, k_nope, k_pe, v, cu_q, cu_k, SCALE, version="mma")
+    ref = prefill_attention_reference(q, k_nope, k_pe, v, cu_q, cu_k, SCALE)
+    assert close(prefill_attention(q, k_nope, k_pe, v, cu_q, cu_k, SCALE), ref, v, torch.bfloat16)
+
+
+def test_ill_formed_seqlens_are_refused_before_launch():
+    q, k_nope, k_pe, v, cu_q, cu_k = make([10, 6], [0, 4], torch.bfloat16)
+    bad = {
+        "ends at 17 but there are 16 rows": (torch.tensor([0, 10, 17], dtype=torch.int32, device="cuda"), cu_k),
+        "ends at 21 but there are 20 rows": (cu_q, torch.tensor([0, 10, 21], dtype=torch.int32, device="cuda")),
+        "prefix sums decrease": (torch.tensor([0, 12, 10, 16], dtype=torch.int32, device="cuda"),
+                                 torch.tensor([0, 12, 14, 20], dtype=torch.int32, device="cuda")),
+        "1 queries but only 0 keys": (torch.tensor([0, 15, 16], dtype=torch.int32, device="cuda"),
+                                      torch.tensor([0, 20, 20], dtype=torch.int32, device="cuda")),
+    }
+    for msg, (cq, ck) in bad.items():
+        for version in ("naive", "tiled", *attention.MMA_VARIANTS, None):
+            with pytest.raises(ValueError, match=msg):
+                prefill_attention(q, k_nope, k_pe, v, cq, ck, SCALE, version=version)
+    with pytest.raises(TypeError, match="dtype torch.float16, expected torch.bfloat16"):
+        prefill_attention(q, k_nope.half(), k_pe, v, cu_q, cu_k, SCALE, version="tiled")
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        prefill_attention(q.float(), k_nope.float(), k_pe.float(), v.float(), cu_q, cu_k, SCALE, version="mma")
+
+
+def test_engine_prefill_uses_the_packed_path(monkeypatch):
+    """MLA.prefill_attention on CUDA (packed, one kv_b_proj GEMM, our kernel) equals its reference loop."""
+    from dataclasses import replace
+
+    from dsv2_lib.config import DEEPSEEK_V2_LITE
+    from dsv2_lib.kv_cache import SequenceBatch
+    from dsv2_lib.mla import MLA
+
+    cfg = replace(DEEPSEEK_V2_LITE, hidden_size=256)  # V2-Lite's attention shapes, a small hidden size
+    torch.manual_seed(0)
+    layer = MLA(cfg).to("cuda", torch.bfloat16)
+    for p in layer.parameters():
+        p.data.normal_(0, 0.05)
+    batch = SequenceBatch(slots=(2, 0), starts=(5, 0), lens=(30, 70))
+    cache = torch.randn(3, 128, 576, device="cuda").to(torch.bfloat16)
+    q_nope = torch.randn(100, 16, 128, device="cuda").to(torch.bfloat16)
+    q_pe = torch.randn(100, 16, 64, device="cuda").to(torch.bfloat16)
+    out = layer.prefill_attention(q_nope, q_pe, batch, cache)
+    monkeypatch.setenv("DSV2_BACKEND", "torch")
+    ref = layer.prefill_attention(q_nope, q_pe, batch, cache)
+    v_max = layer.kv_b_proj(cache[..., :512]).abs().max()  # bounds every value row
+    assert close(out, ref.to(out.dtype), v_max, torch.bfloat16)

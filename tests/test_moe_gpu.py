@@ -1,0 +1,345 @@
+"""MoE kernels (kernels_cu/moe.cu) against the PyTorch reference on the GPU (``pytest -m gpu``).
+
+Tolerances.
+* Router: the kernel's softmax differs from PyTorch's only in the order of the fp32 sum over the E
+  exponentials (a few fp32 ulps), so the ids are equal (random logits have no near-ties within
+  1e-6, and exact ties follow the same rule in both) and the weights agree to 1e-6 relative.
+* Alignment: integers, exactly equal.
+* Experts: kernel and reference round at the same points (gate|up output, SwiGLU output, down
+  output, the fp32 weighted sum, the shared add), and differ only in the order of the fp32 sums
+  inside the GEMMs (cuBLAS vs ours). Such a difference can flip the rounding of an intermediate by
+  one ulp of its dtype; after the down projection and the weighted sum that is at most a couple of
+  output ulps of the output's scale. So |kernel - reference| <= 4 * ulp * max|reference| per row
+  (ulp = 2^-8 for bf16, 2^-11 for fp16; fp32: 2e-5 relative to the row's scale covers K = 2048
+  fp32 products summed in another order).
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from dsv2_lib import kernels, moe
+from dsv2_lib.config import TINY
+from dsv2_lib.moe import (MoE, moe_align, moe_align_reference, moe_experts, route, routed_experts, topk_softmax)
+from dsv2_lib.weights import default_dtype
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+REL = {torch.float32: 2e-5, torch.float16: 4 * 2**-11, torch.bfloat16: 4 * 2**-8}
+LITE = dict(e=64, k=6, h=2048, i=1408)
+SMALL = dict(e=16, k=2, h=256, i=96)
+
+
+@pytest.fixture(autouse=True)
+def kernels_on(monkeypatch):
+    monkeypatch.setenv("DSV2_BACKEND", "cuda")
+
+
+def close(got, want, dtype):
+    scale = want.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-3)
+    return bool(((got.float() - want.float()).abs() <= REL[dtype] * scale).all())
+
+
+def experts(e, h, i, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    gate_up = (torch.randn(e, 2 * i, h, device="cuda", generator=g) * h**-0.5).to(dtype)
+    down = (torch.randn(e, h, i, device="cuda", generator=g) * i**-0.5).to(dtype)
+    return gate_up, down
+
+
+def random_choice(t, k, e, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.rand(t, e, device="cuda", generator=g).argsort(-1)[:, :k].contiguous()
+    w = torch.rand(t, k, device="cuda", generator=g)
+    return w, ids
+
+
+# ---- router ---------------------------------------------------------------------------------------
+ROUTER_CASES = {
+    "lite": dataclasses.replace(TINY, n_routed_experts=64, num_experts_per_tok=6),
+    "renorm": dataclasses.replace(TINY, norm_topk_prob=True, num_experts_per_tok=3),
+    "top1": dataclasses.replace(TINY, norm_topk_prob=True, num_experts_per_tok=1, routed_scaling_factor=3.0),
+    "group_limited": dataclasses.replace(TINY, n_routed_experts=160, num_experts_per_tok=6, topk_method="group_limited_greedy",
+                                         n_group=8, topk_group=3, routed_scaling_factor=16.0),
+    "odd": dataclasses.replace(TINY, n_routed_experts=37, num_experts_per_tok=5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROUTER_CASES))
+@pytest.mark.parametrize("t", [1, 3, 17, 300])
+def test_topk_softmax_matches_route(name, t):
+    cfg = ROUTER_CASES[name]
+    logits = torch.randn(t, cfg.n_routed_experts, device="cuda") * 2
+    w, ids = topk_softmax(logits, cfg)
+    rw, rids = route(logits, cfg)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(w, rw, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", sorted(ROUTER_CASES))
+def test_topk_softmax_ties_lowest_id_first(name):
+    """Integer logits in a small range: many exact ties; the kernel follows the reference's rule."""
+    cfg = ROUTER_CASES[name]
+    logits = torch.randint(0, 3, (64, cfg.n_routed_experts), device="cuda").float()
+    logits[0] = 0  # all equal: experts 0..k-1
+    w, ids = topk_softmax(logits, cfg)
+    rw, rids = route(logits, cfg)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(w, rw, rtol=1e-6, atol=1e-7)
+
+
+def test_topk_softmax_refuses_bad_input():
+    cfg = ROUTER_CASES["lite"]
+    with pytest.raises(ValueError, match=r"topk_softmax logits: shape \[4, 63\], expected \[\*, 64\]"):
+        topk_softmax(torch.randn(4, 63, device="cuda"), cfg)
+    with pytest.raises(ValueError, match=r"E <= 256"):
+        topk_softmax(torch.randn(4, 300, device="cuda"), dataclasses.replace(cfg, n_routed_experts=300))
+
+
+# ---- alignment ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("t,k,e,block", [(1, 6, 64, 64), (3, 6, 64, 64), (17, 6, 64, 64), (300, 6, 64, 64),
+                                         (4096, 6, 64, 64), (4096, 6, 64, 8), (100, 2, 16, 1), (33, 6, 160, 64)])
+def test_moe_align_matches_reference(t, k, e, block):
+    _, ids = random_choice(t, k, e, seed=t)
+    for a, b in zip(moe_align(ids, e, block), moe_align_reference(ids, e, block)):
+        assert torch.equal(a, b)
+
+
+def test_moe_align_one_expert_takes_everything_and_drops_bad_ids():
+    ids = torch.zeros(500, 1, dtype=torch.int64, device="cuda")
+    for a, b in zip(moe_align(ids, 64, 64), moe_align_reference(ids, 64, 64)):
+        assert torch.equal(a, b)
+    ids[7, 0] = 64  # out of range: dropped, never written anywhere
+    ids[9, 0] = -3
+    sorted_rows, slot_of, tile_expert, offsets = moe_align(ids, 64, 64)
+    assert slot_of[7] == -1 and slot_of[9] == -1 and offsets[-1] == 512 and int((sorted_rows >= 0).sum()) == 498
+
+
+# ---- experts --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 3, 17, pytest.param(300, marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("shape", ["small", "lite"])
+def test_moe_experts_matches_reference(t, dtype, shape):
+    s = SMALL if shape == "small" else LITE
+    if dtype == torch.float32 and t > moe.FP32_GEMV_MAX_TOKENS:
+        pytest.skip("fp32 beyond FP32_GEMV_MAX_TOKENS takes the reference itself")
+    gate_up, down = experts(s["e"], s["h"], s["i"], dtype)
+    x = torch.randn(t, s["h"], device="cuda").to(dtype)
+    w, ids = random_choice(t, s["k"], s["e"], seed=t)
+    shared = torch.randn(t, s["h"], device="cuda").to(dtype)
+    want = routed_experts(x, w, ids, gate_up, down) + shared
+    assert close(moe_experts(x, w, ids, gate_up, down, shared), want, dtype)
+    assert close(moe_experts(x, w, ids, gate_up, down), routed_experts(x, w, ids, gate_up, down), dtype)
+
+
+@pytest.mark.parametrize("path", ["gemv", "gemv_per_choice", "mma", "grouped_mm"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_path_matches_reference(path, dtype, monkeypatch):
+    """Force each regime at the same sizes (thresholds moved), including experts with no tokens."""
+    if path == "grouped_mm" and (dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm")):
+        pytest.skip("torch._grouped_mm: bf16 only")
+    monkeypatch.setattr(moe, "GEMV_KERNEL", "per_choice" if path == "gemv_per_choice" else "grouped")
+    monkeypatch.setattr(moe, "GEMV_MAX_TOKENS", 10**9 if path.startswith("gemv") else 0)
+    monkeypatch.setattr(moe, "GROUPED_MM_MIN_TOKENS", 1 if path == "grouped_mm" else 10**9)
+    gate_up, down = experts(64, 2048, 1408, dtype)
+    for t in (5, 40):
+        x = torch.randn(t, 2048, device="cuda").to(dtype)
+        w, ids = random_choice(t, 6, 64, seed=t)
+        ids[:, :] = torch.arange(6, device="cuda") * 3  # only 6 of 64 experts get tokens
+        assert close(moe_experts(x, w, ids, gate_up, down), routed_experts(x, w, ids, gate_up, down), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_expert_takes_all_tokens(dtype, monkeypatch):
+    monkeypatch.setattr(moe, "GROUPED_MM_MIN_TOKENS", 10**9)  # our grouped GEMM: 300 rows of one expert
+    gate_up, down = experts(16, 256, 96, dtype)
+    x = torch.randn(300, 256, device="cuda").to(dtype)
+    ids = torch.full((300, 1), 11, dtype=torch.int64, device="cuda")
+    w = torch.rand(300, 1, device="cuda")
+    assert close(moe_experts(x, w, ids, gate_up, down), routed_experts(x, w, ids, gate_up, down), dtype)
+
+
+def test_combine_is_deterministic():
+    gate_up, down = experts(64, 2048, 1408, torch.bfloat16)
+    x = torch.randn(512, 2048, device="cuda").to(torch.bfloat16)
+    w, ids = random_choice(512, 6, 64)
+    first = moe_experts(x, w, ids, gate_up, down)
+    for _ in range(3):
+        assert torch.equal(moe_experts(x, w, ids, gate_up, down), first)
+
+
+def test_moe_experts_refuses_bad_input():
+    gate_up, down = experts(16, 256, 96, torch.bfloat16)
+    x = torch.randn(4, 256, device="cuda").to(torch.bfloat16)
+    w, ids = random_choice(4, 2, 16)
+    with pytest.raises(ValueError, match=r"moe_experts x: shape \[4, 128\], expected \[\*, 256\]"):
+        moe_experts(x[:, :128].contiguous(), w, ids, gate_up, down)
+    with pytest.raises(TypeError, match=r"moe_experts ids: dtype torch.int32, expected torch.int64"):
+        moe_experts(x, w, ids.int(), gate_up, down)
+    with pytest.raises(ValueError, match=r"moe_experts weights: shape \[4, 3\], expected \[4, 2\]"):
+        moe_experts(x, torch.rand(4, 3, device="cuda"), ids, gate_up, down)
+    with pytest.raises(ValueError, match=r"moe_experts down_proj: shape \[16, 256, 95\], expected \[16, 256, 96\]"):
+        moe_experts(x, w, ids, gate_up, down[..., :95].contiguous())
+    with pytest.raises(TypeError, match=r"moe_experts gate_up_proj: dtype torch.float16"):
+        moe_experts(x, w, ids, gate_up.half(), down)
+    with pytest.raises(ValueError, match=r"moe_experts ids: shape \[3, 2\], expected \[4, \*\]"):
+        moe_experts(x, w, ids[:3].contiguous(), gate_up, down)
+    with pytest.raises(ValueError, match=r"moe_align ids: not contiguous"):
+        moe_align(ids.t(), 16, 64)
+
+
+def test_bad_ids_are_dropped_not_read(monkeypatch):
+    """Ids outside [0, E) cannot be refused without a host sync: every path skips them (no OOB read)."""
+    gate_up, down = experts(16, 256, 96, torch.bfloat16)
+    for gemv, kernel in ((10**9, "grouped"), (10**9, "per_choice"), (0, "grouped")):
+        monkeypatch.setattr(moe, "GEMV_MAX_TOKENS", gemv)
+        monkeypatch.setattr(moe, "GEMV_KERNEL", kernel)
+        x = torch.randn(8, 256, device="cuda").to(torch.bfloat16)
+        w, ids = random_choice(8, 2, 16)
+        bad = ids.clone()
+        bad[:, 1] = 1000
+        want = routed_experts(x, w[:, :1].contiguous(), ids[:, :1].contiguous(), gate_up, down)
+        assert close(moe_experts(x, w, bad, gate_up, down), want, torch.bfloat16)
+
+
+# ---- the grouped GEMV: work items, variants, the fused decode layer ----------------------------------
+@pytest.mark.parametrize("t,k,e", [(1, 6, 64), (3, 6, 64), (32, 6, 64), (64, 6, 64), (17, 6, 160), (40, 2, 16)])
+def test_moe_gemv_items_match_reference(t, k, e):
+    _, ids = random_choice(t, k, e, seed=t)
+    ids[: t // 2, 0] = 1  # a busy expert: several items
+    if t > 2:
+        ids[2, -1] = -4  # dropped
+        ids[0, -1] = e
+    srt, items, n_items, max_items = moe.moe_gemv_items(ids, e)
+    want_srt, want_items = moe.gemv_items_reference(ids, e)
+    n = int(n_items)
+    assert n == want_items.shape[0] <= max_items
+    assert torch.equal(srt[: want_srt.numel()], want_srt)
+    assert torch.equal(items[: 3 * n].view(-1, 3), want_items)
+
+
+@pytest.mark.parametrize("warps,cols", [(8, 1), (4, 1), (8, 2), (4, 4), (3, 2)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_gemv_variants_match_reference(warps, cols, dtype, monkeypatch):
+    monkeypatch.setattr(moe, "GEMV_WARPS", warps)
+    monkeypatch.setattr(moe, "GEMV_COLS_PER_WARP", cols)
+    monkeypatch.setattr(moe, "GEMV_MAX_TOKENS", 10**9)
+    for s in (LITE, SMALL):
+        gate_up, down = experts(s["e"], s["h"], s["i"], dtype)
+        for t in (1, 9, 33):
+            x = torch.randn(t, s["h"], device="cuda").to(dtype)
+            w, ids = random_choice(t, s["k"], s["e"], seed=t)
+            ids[: t // 2, 0] = 0  # an expert with more than GEMV_TB tokens
+            shared = torch.randn(t, s["h"], device="cuda").to(dtype)
+            want = routed_experts(x, w, ids, gate_up, down) + shared
+            assert close(moe_experts(x, w, ids, gate_up, down, shared), want, dtype)
+
+
+def lite_layer(dtype, h=2048, i=1408, **kw):
+    cfg = dataclasses.replace(TINY, n_routed_experts=64, num_experts_per_tok=6, hidden_size=h, moe_intermediate_size=i, **kw)
+    torch.manual_seed(0)
+    with default_dtype(dtype):
+        layer = MoE(cfg).cuda()
+    for p in layer.parameters():
+        p.data.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+    return layer
+
+
+@pytest.mark.parametrize("in_router", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_decode_matches_unfused_layer(in_router, dtype, monkeypatch):
+    """moe_decode (router + items + shared experts inside the GEMV launches) == router, experts, shared MLP
+    computed separately, and == the reference; the routing itself is bit-identical to topk_softmax."""
+    monkeypatch.setattr(moe, "SHARED_IN_ROUTER", in_router)
+    monkeypatch.setattr(moe, "GEMV_MAX_TOKENS", 64)
+    for layer in (lite_layer(dtype), lite_layer(dtype, h=512, i=96, n_shared_experts=3)):
+        sh = layer.shared_experts
+        for t in (1, 5, 32, 64):
+            x = torch.randn(t, layer.cfg.hidden_size, device="cuda").to(dtype)
+            logits = torch.nn.functional.linear(x.float(), layer.gate.weight)
+            assert moe._decode_applies(x, layer.cfg, (sh.gate_up_proj.weight, sh.down_proj.weight))
+            got = moe.moe_decode(x, logits, layer.cfg, layer.experts.gate_up_proj, layer.experts.down_proj,
+                                 (sh.gate_up_proj.weight, sh.down_proj.weight))
+            w, ids = topk_softmax(logits, layer.cfg)
+            want = routed_experts(x, w, ids, layer.experts.gate_up_proj, layer.experts.down_proj) + sh(x)
+            assert close(got, want, dtype)
+            assert close(layer(x), want, dtype)
+
+
+def test_moe_decode_group_limited_and_no_shared_experts(monkeypatch):
+    cfg = ROUTER_CASES["group_limited"]
+    cfg = dataclasses.replace(cfg, hidden_size=256, moe_intermediate_size=64, n_shared_experts=0)
+    torch.manual_seed(0)
+    with default_dtype(torch.bfloat16):
+        layer = MoE(cfg).cuda()
+    for p in layer.parameters():
+        p.data.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+    for t in (1, 4):
+        x = torch.randn(t, 256, device="cuda").to(torch.bfloat16)
+        assert moe._decode_applies(x, cfg)
+        got = layer(x)
+        monkeypatch.setenv("DSV2_BACKEND", "torch")
+        want = layer(x)
+        monkeypatch.setenv("DSV2_BACKEND", "cuda")
+        assert close(got, want, torch.bfloat16)
+
+
+def test_moe_decode_is_deterministic():
+    layer = lite_layer(torch.bfloat16)
+    x = torch.randn(4, 2048, device="cuda").to(torch.bfloat16)
+    first = layer(x)
+    for _ in range(3):
+        assert torch.equal(layer(x), first)
+
+
+# ---- the layer ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_layer_kernels_match_reference(dtype, monkeypatch):
+    cfg = dataclasses.replace(TINY, n_routed_experts=64, num_experts_per_tok=6, hidden_size=512, moe_intermediate_size=128)
+    torch.manual_seed(0)
+    with default_dtype(dtype):
+        layer = MoE(cfg).cuda()
+    for p in layer.parameters():
+        p.data.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+    for t in (1, 3, 17, 300):
+        x = torch.randn(t, 512, device="cuda").to(dtype)
+        got = layer(x)
+        monkeypatch.setenv("DSV2_BACKEND", "torch")
+        want = layer(x)
+        monkeypatch.setenv("DSV2_BACKEND", "cuda")
+        assert close(got, want, dtype)
+
+
+@pytest.mark.cuda_graph
+def test_decode_moe_layer_in_a_cuda_graph():
+    """The 1-token path (router, GEMV, combine, shared MLP) has no host sync: capture, replay on new x."""
+    cfg = dataclasses.replace(TINY, n_routed_experts=64, num_experts_per_tok=6, hidden_size=2048, moe_intermediate_size=1408)
+    with default_dtype(torch.bfloat16):
+        layer = MoE(cfg).cuda()
+    for p in layer.parameters():
+        p.data.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+    for t in (1, 32, 100):  # the fused decode path (grouped GEMV) and a grouped GEMM (moe_align on the GPU)
+        x = torch.randn(t, 2048, device="cuda").to(torch.bfloat16)
+        layer(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x)
+        for _ in range(2):
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert close(out, layer(x), torch.bfloat16)
+
+
+def test_auto_backend_uses_the_kernels(monkeypatch):
+    monkeypatch.setenv("DSV2_BACKEND", "auto")
+    assert kernels.use_kernels(torch.empty(1, device="cuda"))
+    calls = []
+    real = moe._combine
+    monkeypatch.setattr(moe, "_combine", lambda *a: calls.append(1) or real(*a))
+    gate_up, down = experts(16, 256, 96, torch.bfloat16)
+    x = torch.randn(2, 256, device="cuda").to(torch.bfloat16)
+    w, ids = random_choice(2, 2, 16)
+    moe_experts(x, w, ids, gate_up, down)
+    assert calls == [1]
