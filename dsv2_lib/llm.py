@@ -1,16 +1,25 @@
-"""The public entry point: ``LLM(model).generate(prompts, SamplingParams(...))`` and ``LLM.logits``."""
+"""The public entry point: ``LLM(model).generate(prompts, SamplingParams(...))``, ``LLM.stream`` and ``LLM.logits``.
+
+``generate`` and ``stream`` serve every prompt through the batching :class:`~dsv2_lib.scheduler.Scheduler`
+over a paged latent cache; which requests share a step never changes what a request generates.
+"""
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+from .block_manager import BlockManager, BlockStats
 from .checkpoint import load_checkpoint
 from .config import load_config
-from .kv_cache import LatentCache, SequenceBatch
+from .kv_cache import LatentCache, PagedBatch, PagedLatentCache, SequenceBatch
 from .model import DeepseekV2
 from .sampling import SamplingParams, sample
+from .scheduler import ADMISSIONS, MODES, Scheduler, SchedulerStats, Work
 from .tokenizer import Tokenizer
 from .weights import default_dtype
 
@@ -30,6 +39,33 @@ class RequestOutput:
     finish_reason: str
 
 
+@dataclass(frozen=True)
+class RunStats:
+    """What the last ``generate``/``stream`` run did: the scheduler's and the block pool's statistics,
+    the tokens generated and the wall time."""
+
+    scheduler: SchedulerStats
+    blocks: BlockStats
+    generated_tokens: int
+    seconds: float
+
+    def summary(self) -> str:
+        """The statistics as printed by ``python -m dsv2_lib generate --stats``."""
+        s, b = self.scheduler, self.blocks
+        return "\n".join([
+            f"KV cache pool:          {s.pool_blocks} blocks of {s.block_size} tokens ({s.pool_blocks * s.block_size} tokens)",
+            f"peak active requests:   {s.peak_running}",
+            f"largest decode batch:   {s.max_decode_batch}",
+            f"peak blocks allocated:  {s.peak_used_blocks}",
+            f"admission waits:        {s.admission_waits} (steps spent queued, summed over requests)",
+            f"free blocks at the end: {s.free_blocks}",
+            f"preemptions:            {s.preemptions}",
+            f"prefill tokens:         {s.prefill_tokens} computed, {s.prefix_hit_tokens} from the prefix cache "
+            f"({b.prefix_hit_blocks} block hits, {b.evictions} evictions)",
+            f"steps:                  {s.steps}; {self.generated_tokens} tokens generated in {self.seconds:.2f} s",
+        ])
+
+
 def resolve_model(model: str | Path) -> Path:
     """An embedded model's name (``"tiny"``) or a checkpoint directory -> the directory."""
     if str(model) in EMBEDDED_MODELS:
@@ -46,10 +82,18 @@ class LLM:
     ``device=None`` picks CUDA when available; ``dtype=None`` picks bfloat16 on CUDA, float32 on
     the CPU. ``max_model_len`` caps prompt + generated tokens (default: the config's
     ``max_position_embeddings``).
+
+    Serving: requests run through a scheduler (``scheduling``: ``"continuous"`` or ``"static"``;
+    ``admission``: ``"reserve"`` or ``"optimistic"``, see :mod:`~dsv2_lib.scheduler`) over a paged
+    latent cache of blocks of ``block_size`` tokens, shared prompt prefixes computed once when
+    ``prefix_caching``. ``kv_cache_mib`` sizes the cache once, here (requests then wait for blocks);
+    ``None`` sizes it at each run to hold every request's worst case at once. After a run,
+    ``last_stats`` holds its :class:`RunStats`.
     """
 
     def __init__(self, model: str | Path = "tiny", device: str | None = None, dtype: str | torch.dtype | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, kv_cache_mib: float | None = None, block_size: int = 16,
+                 scheduling: str = "continuous", admission: str = "reserve", prefix_caching: bool = True):
         path = resolve_model(model)
         self.config = load_config(path)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -61,6 +105,16 @@ class LLM:
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
             raise ValueError(f"max_model_len must be an int >= 2 (a prompt token and a generated one), got {max_model_len!r}")
         self.max_model_len = max_model_len or self.config.max_position_embeddings
+        if scheduling not in MODES or admission not in ADMISSIONS:
+            raise ValueError(f"scheduling must be one of {MODES} and admission one of {ADMISSIONS}; "
+                             f"got {scheduling!r} and {admission!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        self.block_size, self.scheduling, self.admission = block_size, scheduling, admission
+        self.prefix_caching = prefix_caching
+        self.cache = None if kv_cache_mib is None else PagedLatentCache.from_mib(
+            self.config, kv_cache_mib, self.dtype, self.device, block_size, self.max_model_len)
+        self.last_stats: RunStats | None = None
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = DeepseekV2(self.config)
         load_checkpoint(self.model, path)
@@ -101,45 +155,102 @@ class LLM:
         hidden = self.model(torch.tensor(ids, device=self.device), batch, cache)
         return self.model.compute_logits(hidden).cpu()
 
-    def generate(self, prompts: Prompt | list[Prompt],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids), all decoded together one token per step."""
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: bool | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids), all served together by the scheduler.
+
+        ``progress``: a progress bar of finished requests on stderr (``None``: only on a terminal).
+        """
+        ids, plist = self._requests(prompts, params)
+        out: list[list[int]] = [[] for _ in ids]
+        finish: list[str | None] = [None] * len(ids)
+        for i, token, reason in self._serve(ids, plist, progress):
+            out[i].append(token)
+            finish[i] = reason
+        return [
+            RequestOutput(i, o, self.tokenizer.decode(o) if self.tokenizer else None, f)
+            for i, o, f in zip(ids, out, finish)
+        ]
+
+    def stream(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+               progress: bool | None = False) -> Iterator[tuple[int, int, str | None]]:
+        """Like :meth:`generate`, but yield ``(request index, token id, text piece)`` as tokens are produced.
+
+        A request's pieces concatenate to its final text (a piece is held back while it ends in an
+        incomplete UTF-8 character); ``None`` without a tokenizer. Prompts are validated, and a request
+        larger than the cache rejected, here, before the first token. With ``kv_cache_mib`` the runs of
+        one LLM share its cache: consume one stream before starting another. No progress bar by default.
+        """
+        ids, plist = self._requests(prompts, params)
+        return self._pieces(self._serve(ids, plist, progress), len(ids))
+
+    # ---- serving ----------------------------------------------------------------------------
+    def _requests(self, prompts, params) -> tuple[list[list[int]], list[SamplingParams]]:
+        """Prompts (one, or a list) and params (one for all, or one each) -> validated token ids and params."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
         params = SamplingParams() if params is None else params  # not `or`: an empty list is a mismatch
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
-        if not prompts:
-            return []
-        ids = [self._token_ids(p, i) for i, p in enumerate(prompts)]
+        return [self._token_ids(p, i) for i, p in enumerate(prompts)], plist
+
+    def _serve(self, ids: list[list[int]], plist: list[SamplingParams],
+               progress: bool | None) -> Iterator[tuple[int, int, str | None]]:
+        """Queue every request (rejecting at once one larger than the cache), then run the scheduler to
+        the end, yielding ``(request index, token, finish reason or None)`` per sampled token."""
         limits = [min(len(i) + p.max_tokens, self.max_model_len) for i, p in zip(ids, plist)]
-        cache = LatentCache(self.config, len(ids), max(limits), self.dtype, self.device)
+        cache = self.cache
+        if cache is None:  # room for every request's worst case (prompt + max_tokens - 1 tokens) at once
+            need = max(1, sum(-(-(n - 1) // self.block_size) for n in limits))
+            cache = PagedLatentCache(self.config, need, self.block_size, self.dtype, self.device, max(limits, default=0))
+        sched = Scheduler(BlockManager(cache.num_blocks, self.block_size, self.prefix_caching),
+                          self.scheduling, self.admission)
+        for i, n in zip(ids, limits):  # request ids 0, 1, ... are the prompt indices
+            sched.add_request(i, n - len(i))
+        return self._run(sched, cache, plist, progress)
+
+    def _run(self, sched: Scheduler, cache: PagedLatentCache, plist: list[SamplingParams],
+             progress: bool | None) -> Iterator[tuple[int, int, str | None]]:
+        """Step the scheduler to the end: model, one sample per work item with each request's own
+        generator, stop decisions; then record ``last_stats``."""
         generators = [p.generator(self.device) for p in plist]
-        out: list[list[int]] = [[] for _ in ids]
-        finish: list[str | None] = [None] * len(ids)
+        start, generated = time.perf_counter(), 0
+        with tqdm(total=len(plist), desc="requests", unit="req", disable=None if progress is None else not progress) as bar:
+            while sched.has_unfinished():
+                work = sched.schedule()
+                logits = self._step(work, cache) if work else None
+                tokens = [sample(logits[j], plist[w.request.id], generators[w.request.id]) for j, w in enumerate(work)]
+                stops = [self._is_stop(t, plist[w.request.id]) for t, w in zip(tokens, work)]
+                bar.update(len(sched.update(work, tokens, stops)))
+                generated += len(tokens)
+                for w, t in zip(work, tokens):
+                    yield w.request.id, t, w.request.finish_reason
+        self.last_stats = RunStats(sched.stats(), sched.blocks.stats(), generated, time.perf_counter() - start)
 
-        batch = SequenceBatch(tuple(range(len(ids))), (0,) * len(ids), tuple(map(len, ids)))
-        tokens = torch.tensor([t for seq in ids for t in seq], device=self.device)
+    def _pieces(self, tokens: Iterator[tuple[int, int, str | None]], n: int) -> Iterator[tuple[int, int, str | None]]:
+        """``(index, token, reason)`` -> ``(index, token, text piece)``, detokenizing incrementally."""
+        out: list[list[int]] = [[] for _ in range(n)]
+        sent = [""] * n
+        for i, token, reason in tokens:
+            out[i].append(token)
+            piece = None
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(out[i])
+                piece = "" if reason is None and text.endswith("\ufffd") else text[len(sent[i]):]
+                sent[i] += piece
+            yield i, token, piece
+
+    def _step(self, work: list[Work], cache: PagedLatentCache) -> torch.Tensor:
+        """Run the model on one scheduled step: logits of each work item's last token, ``[len(work), vocab]``."""
+        batch = PagedBatch(
+            starts=tuple(w.positions.start for w in work), lens=tuple(len(w.token_ids) for w in work),
+            block_tables=tuple(w.block_table for w in work), block_size=cache.block_size,
+            slots=tuple(s for w in work for s in w.slots), decode=not work[0].prefill, device=self.device,
+        )
+        tokens = torch.tensor([t for w in work for t in w.token_ids], device=self.device)
         last = torch.tensor(batch.lens, device=self.device).cumsum(0) - 1
-        while True:
-            logits = self.model.compute_logits(self.model(tokens, batch, cache)[last])
-            for row, slot in enumerate(batch.slots):
-                token = sample(logits[row], plist[slot], generators[slot])
-                out[slot].append(token)
-                finish[slot] = self._finish_reason(token, len(ids[slot]) + len(out[slot]), plist[slot], limits[slot])
-            live = [s for s in batch.slots if finish[s] is None]
-            if not live:
-                break
-            batch = SequenceBatch(tuple(live), tuple(len(ids[s]) + len(out[s]) - 1 for s in live), (1,) * len(live), decode=True)
-            tokens = torch.tensor([out[s][-1] for s in live], device=self.device)
-            last = torch.arange(len(live), device=self.device)
-        return [
-            RequestOutput(i, o, self.tokenizer.decode(o) if self.tokenizer else None, f)
-            for i, o, f in zip(ids, out, finish)
-        ]
+        return self.model.compute_logits(self.model(tokens, batch, cache)[last])
 
-    def _finish_reason(self, token: int, total_len: int, params: SamplingParams, limit: int) -> str | None:
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.config.eos_token_id):
-            return "stop"
-        return "length" if total_len >= limit else None
+    def _is_stop(self, token: int, params: SamplingParams) -> bool:
+        return token in params.stop_token_ids or (not params.ignore_eos and token in self.config.eos_token_id)

@@ -21,19 +21,20 @@ from torch import nn
 
 from . import attention, kernels
 from .config import ModelConfig
-from .kv_cache import SequenceBatch
+from .kv_cache import PagedBatch, SequenceBatch, as_paged
 from .mla_decode import mla_decode, mla_decode_query_dtype
 from .norm import RMSNorm
 from .rope import apply_rope_
 from .weights import Linear, upcast
 
 
-def write_latent_cache(cache: torch.Tensor, batch: SequenceBatch, rows: torch.Tensor) -> None:
-    """Store packed ``rows [T, row_dim]`` at each token's (slot, position) of ``cache [S, L, row_dim]``."""
-    offset = 0
-    for slot, start, n in zip(batch.slots, batch.starts, batch.lens):
-        cache[slot, start : start + n] = rows[offset : offset + n]
-        offset += n
+def write_latent_cache(cache: torch.Tensor, batch: SequenceBatch | PagedBatch, rows: torch.Tensor) -> None:
+    """Store packed ``rows [T, row_dim]`` in each token's slot of one layer's cache: paged ``[num_rows, row_dim]``
+    with a :class:`PagedBatch` (a token whose slot is -1 is skipped), or contiguous ``[S, L, row_dim]`` with a
+    :class:`SequenceBatch` (row ``slot * L + position``). The reference for chapter 12's cache-write kernel."""
+    batch, cache = as_paged(batch, cache)
+    keep = batch.slot_mapping >= 0
+    cache[batch.slot_mapping[keep]] = rows[keep]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
@@ -100,34 +101,36 @@ class MLA(nn.Module):
         return self.o_proj(out.to(x.dtype).flatten(1))
 
     def prefill_attention(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: SequenceBatch, cache: torch.Tensor
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: SequenceBatch | PagedBatch, cache: torch.Tensor
     ) -> torch.Tensor:
         """Decompress each sequence's cached latents with ``kv_b_proj`` and attend causally: ``[T, h, v_head]``.
 
-        CUDA tensors: all sequences' latents are decompressed by one GEMM and attended by
-        :func:`attention.prefill_attention` (our kernel or SDPA, chapter 06), with ``k_pe`` passed once
-        per token instead of expanded to every head. Otherwise (the reference path) one sequence at a
-        time with :func:`causal_attention`.
+        ``cache`` is one layer, paged ``[num_rows, row_dim]`` or contiguous ``[S, L, row_dim]``
+        (:func:`~dsv2_lib.kv_cache.as_paged`); each sequence's context rows, its cached prefix included,
+        are gathered through its block table into ``[Σ context, row_dim]``. CUDA tensors: all sequences'
+        latents are decompressed by one GEMM and attended by :func:`attention.prefill_attention` (our
+        kernel or SDPA, chapter 06), with ``k_pe`` passed once per token instead of expanded to every
+        head. Otherwise (the reference path) one sequence at a time with :func:`causal_attention`.
         """
         c, h = self.cfg, self.cfg.num_attention_heads
+        batch, cache = as_paged(batch, cache)
         if (q_nope.stride() == q_pe.stride() and q_nope.stride(-1) == 1 and q_nope.dtype == q_pe.dtype
                 and q_pe.data_ptr() == q_nope.data_ptr() + q_nope.shape[-1] * q_nope.element_size()):
             # the two halves of one [T, h, 192] tensor (project_q's split): view it again, copy nothing
             q = torch.as_strided(q_nope, (*q_nope.shape[:-1], q_nope.shape[-1] + q_pe.shape[-1]), q_nope.stride())
         else:
             q = torch.cat([q_nope, q_pe], dim=-1)
+        rows = cache[batch.packed_context_rows]
         if kernels.use_kernels(q):
-            rows = torch.cat([cache[slot, : start + n] for slot, start, n in zip(batch.slots, batch.starts, batch.lens)])
             latent, k_pe = rows.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
             kv = self.kv_b_proj(latent).view(-1, h, c.qk_nope_head_dim + c.v_head_dim)
             k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
             cu_q = [0, *itertools.accumulate(batch.lens)]
-            cu_k = [0, *itertools.accumulate(s + n for s, n in zip(batch.starts, batch.lens))]
+            cu_k = [0, *itertools.accumulate(batch.context_lens)]
             return attention.prefill_attention(q, k_nope, k_pe, v, cu_q, cu_k, c.softmax_scale)
         outs, offset = [], 0
-        for slot, start, n in zip(batch.slots, batch.starts, batch.lens):
-            rows = cache[slot, : start + n]
-            latent, k_pe = rows.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        for seq_rows, start, n in zip(rows.split(batch.context_lens), batch.starts, batch.lens):
+            latent, k_pe = seq_rows.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
             kv = self.kv_b_proj(latent).view(-1, h, c.qk_nope_head_dim + c.v_head_dim)
             k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
             k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, h, -1)], dim=-1)
@@ -136,7 +139,7 @@ class MLA(nn.Module):
         return torch.cat(outs)
 
     def decode_attention(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: SequenceBatch, cache: torch.Tensor
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: SequenceBatch | PagedBatch, cache: torch.Tensor
     ) -> torch.Tensor:
         """Attention on the latent cache with ``W_k``/``W_v`` absorbed: ``[T, h, v_head]``.
 
@@ -144,14 +147,22 @@ class MLA(nn.Module):
         are ``q_lat · latent + q_pe · k_pe`` (:func:`~dsv2_lib.mla_decode.mla_decode`: the kernel for
         CUDA tensors, else the fp32 reference); the softmax-weighted sum of latents is mapped to each
         head's value space by ``W_v`` once at the end. Token ``i`` of a sequence at ``start`` attends
-        over its slot's first ``start + i + 1`` rows.
+        over its first ``start + i + 1`` rows. ``mla_decode`` takes rows as ``[entries, length, row_dim]``:
+        when every context lies in one block (the contiguous cache) that is the cache itself, viewed;
+        otherwise each context is gathered through its block table (chapter 13's paged kernel reads
+        ``batch.block_table`` directly instead).
         """
         c = self.cfg
+        batch, cache = as_paged(batch, cache)
+        if all(len(t) == 1 for t in batch.block_tables):
+            rows, entries = cache.view(-1, batch.block_size, cache.shape[-1]), [t[0] for t in batch.block_tables]
+        else:
+            rows, entries = cache[batch.context_rows], range(len(batch.lens))  # [num_seqs, max_context, row_dim]
         w_k, w_v = self.split_kv_b()
-        dtype = mla_decode_query_dtype(cache, c.kv_lora_rank)  # the model dtype on the kernel path, else fp32
+        dtype = mla_decode_query_dtype(rows, c.kv_lora_rank)  # the model dtype on the kernel path, else fp32
         q_lat = torch.einsum("thn,hnc->thc", q_nope.to(dtype), w_k.to(dtype))
         query = torch.cat([q_lat, q_pe.to(dtype)], dim=-1)  # [T, h, row_dim]: one dot product per cached row
-        slots = tuple(s for s, n in zip(batch.slots, batch.lens) for _ in range(n))
+        slots = tuple(e for e, n in zip(entries, batch.lens) for _ in range(n))
         lengths = tuple(start + i + 1 for start, n in zip(batch.starts, batch.lens) for i in range(n))
-        out_lat = mla_decode(query, cache, slots, lengths, c.softmax_scale, c.kv_lora_rank)  # [T, h, kv_lora] fp32
+        out_lat = mla_decode(query, rows, slots, lengths, c.softmax_scale, c.kv_lora_rank)  # [T, h, kv_lora] fp32
         return torch.einsum("thc,hvc->thv", out_lat.to(dtype), w_v.to(dtype))

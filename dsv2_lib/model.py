@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .kv_cache import LatentCache, SequenceBatch
+from .kv_cache import LatentCache, PagedBatch, PagedLatentCache, SequenceBatch
 from .mla import MLA
 from .mlp import MLP
 from .moe import MoE
@@ -33,7 +33,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, out, residual, positions, rope_cache, batch: SequenceBatch, cache: torch.Tensor):
+    def forward(self, out, residual, positions, rope_cache, batch: SequenceBatch | PagedBatch, cache: torch.Tensor):
         """``out [T, H]`` (previous block's output), ``residual [T, H]`` (None before layer 0)."""
         if residual is None:
             h, residual = self.input_layernorm(out), out
@@ -70,8 +70,13 @@ class DeepseekV2(nn.Module):
         return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, batch: SequenceBatch, cache: LatentCache) -> torch.Tensor:
-        """``input_ids [T]`` (packed as ``batch`` describes) -> final-normed hidden ``[T, H]``."""
+    def forward(self, input_ids: torch.Tensor, batch: SequenceBatch | PagedBatch,
+                cache: LatentCache | PagedLatentCache) -> torch.Tensor:
+        """``input_ids [T]`` (packed as ``batch`` describes) -> final-normed hidden ``[T, H]``.
+
+        A SequenceBatch goes with a contiguous LatentCache, a PagedBatch with a PagedLatentCache; the
+        former is turned into the latter's form once here (:meth:`SequenceBatch.paged`), not in every layer.
+        """
         if input_ids.shape != (batch.num_tokens,):
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}, the batch describes {batch.num_tokens} tokens")
         cache.check_fits(batch)
@@ -80,6 +85,8 @@ class DeepseekV2(nn.Module):
         if rope_cache is None or rope_cache.shape[0] < cache.max_len or rope_cache.device != input_ids.device:
             rope_cache = self._rope_cache = rope_cos_sin_cache(self.cfg, cache.max_len, input_ids.device)
         positions = batch.positions(input_ids.device)
+        if isinstance(batch, SequenceBatch):
+            batch = batch.paged(cache.max_len, input_ids.device)
         out, residual = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
             out, residual = layer(out, residual, positions, rope_cache, batch, cache.layer(i))

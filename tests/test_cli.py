@@ -22,3 +22,22 @@ def test_bad_arguments_give_a_clear_error():
     assert r.returncode == 2 and "no/such/dir" in r.stderr and "Traceback" not in r.stderr
     r = run("generate", "--top-p", "0", "hi")
     assert r.returncode == 2 and "top_p" in r.stderr
+
+
+def test_scheduling_flags_and_stats():
+    prompts = ["To be, or not", "Hello"]
+    want = [o.text for o in LLM("tiny", device="cpu").generate(prompts, SamplingParams(max_tokens=5, temperature=0.0))]
+    for mode in ("--static", "--continuous"):
+        r = run("generate", "--device", "cpu", "--max-tokens", "5", mode, "--kv-cache-mib", "0.1", "--stats", *prompts)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == "".join(f"{p}{t}\n" for p, t in zip(prompts, want))
+        for key in ("KV cache pool:          3 blocks of 16 tokens", "peak active requests", "largest decode batch",
+                    "peak blocks allocated", "admission waits", "free blocks at the end:", "preemptions"):
+            assert key in r.stderr
+    r = run("generate", "--static", "--continuous", "hi")
+    assert r.returncode == 2 and "not allowed with" in r.stderr
+
+
+def test_a_request_larger_than_the_cache_is_a_clear_error():
+    r = run("generate", "--device", "cpu", "--kv-cache-mib", "0.03", "--max-tokens", "40", "hi")
+    assert r.returncode == 2 and "can never run" in r.stderr and "Traceback" not in r.stderr

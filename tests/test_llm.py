@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dsv2_lib import LLM, SamplingParams
+from dsv2_lib.block_manager import block_bytes
 from dsv2_lib.checkpoint import CheckpointError
 from dsv2_lib.config import TINY, ConfigError
 from dsv2_lib.llm import EMBEDDED_MODELS
@@ -321,3 +322,75 @@ def test_supported_dtypes(small_dir, dtype):
 def test_invalid_max_model_len(bad):
     with pytest.raises(ValueError, match=rf"max_model_len must be an int >= 2 .*got {bad}"):
         LLM("tiny", device="cpu", max_model_len=bad)
+
+
+# ---- serving: the scheduler, the paged cache, streaming -----------------------------------------
+
+SERVE_PROMPTS = [[7, 3, 9], list(range(20, 50)), [5] * 9, list(range(200, 217)), [42]]
+
+
+def tiny_block_mib(block_size: int) -> float:
+    return block_bytes(TINY, torch.float32, block_size) / 2**20
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("scheduling,admission", [("static", "reserve"), ("continuous", "reserve"),
+                                                  ("continuous", "optimistic"), ("static", "optimistic")])
+def test_served_outputs_equal_each_prompt_alone(tiny, scheduling, admission, temperature):
+    """A pool of 12 blocks of 4 tokens holds the largest request (30 + 12 - 1 = 41 tokens) but not all
+    of them: requests wait, and under optimistic admission some are preempted and recomputed."""
+    params = [SamplingParams(max_tokens=12, temperature=temperature, top_k=50, seed=i, ignore_eos=True)
+              for i in range(len(SERVE_PROMPTS))]
+    alone = [tiny.generate(p, q)[0].token_ids for p, q in zip(SERVE_PROMPTS, params)]
+    llm = LLM("tiny", device="cpu", dtype="float32", kv_cache_mib=12.5 * tiny_block_mib(4), block_size=4,
+              scheduling=scheduling, admission=admission)
+    assert [o.token_ids for o in llm.generate(SERVE_PROMPTS, params)] == alone
+    s = llm.last_stats.scheduler
+    assert s.pool_blocks == 12 and s.free_blocks == 12 and s.admission_waits > 0
+    assert (s.preemptions > 0) == (admission == "optimistic")
+    assert llm.last_stats.generated_tokens == 12 * len(SERVE_PROMPTS)
+
+
+def test_stream_yields_tokens_as_produced(tiny):
+    prompts = ["To be, or not", "Hello", [5, 17, 42]]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    want = tiny.generate(prompts, params)
+    events = list(tiny.stream(prompts, params))
+    for i, out in enumerate(want):
+        mine = [(t, piece) for j, t, piece in events if j == i]
+        assert [t for t, _ in mine] == out.token_ids
+        assert "".join(piece for _, piece in mine) == out.text
+    assert {j for j, _, _ in events[:3]} == {0, 1, 2}  # interleaved: all three start in the first step
+    assert [t for _, t, _ in tiny.stream("Hello", params)] == want[1].token_ids  # one prompt
+
+
+def test_stream_without_tokenizer_gives_no_text(small):
+    assert all(piece is None for _, _, piece in small.stream([[1, 2, 3]], SamplingParams(max_tokens=3)))
+
+
+def test_a_request_larger_than_the_cache_is_rejected_at_submission():
+    llm = LLM("tiny", device="cpu", dtype="float32", kv_cache_mib=2 * tiny_block_mib(16))  # 2 blocks, 32 tokens
+    with pytest.raises(ValueError, match=r"request 1 can never run: it needs up to 35 cached tokens"):
+        llm.generate([[1, 2], [3] * 20], SamplingParams(max_tokens=16))
+    with pytest.raises(ValueError, match=r"request 0 can never run"):
+        llm.stream([[3] * 20], SamplingParams(max_tokens=16))  # before the first token is asked for
+    assert llm.generate([[1, 2]], SamplingParams(max_tokens=4))[0].finish_reason == "length"
+
+
+def test_bad_serving_arguments():
+    with pytest.raises(ValueError, match=r"scheduling must be one of .*got 'eager'"):
+        LLM("tiny", device="cpu", scheduling="eager")
+    with pytest.raises(ValueError, match=r"admission one of .*'lazy'"):
+        LLM("tiny", device="cpu", admission="lazy")
+    with pytest.raises(ValueError, match=r"block_size must be an int >= 1, got 0"):
+        LLM("tiny", device="cpu", block_size=0)
+    with pytest.raises(ValueError, match=r"holds no block"):
+        LLM("tiny", device="cpu", kv_cache_mib=0.001)
+
+
+def test_stats_summary(tiny):
+    tiny.generate(["a", "b"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    text = tiny.last_stats.summary()
+    for key in ("KV cache pool", "peak active requests:   2", "largest decode batch:   2", "peak blocks allocated",
+                "admission waits:        0", "free blocks at the end", "preemptions", "prefill tokens"):
+        assert key in text

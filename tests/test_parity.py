@@ -11,7 +11,7 @@ import torch
 from transformers import DeepseekV2ForCausalLM
 
 from dsv2_lib import LLM, SamplingParams
-from dsv2_lib.kv_cache import LatentCache, SequenceBatch
+from dsv2_lib.kv_cache import LatentCache, PagedBatch, PagedLatentCache, SequenceBatch
 from dsv2_lib.random_checkpoint import write_random_checkpoint
 
 from tiny_configs import CONFIGS
@@ -56,6 +56,24 @@ def test_teacher_forced_decode_through_the_cache(pair):
     for pos in range(10, len(ids)):
         h = model(torch.tensor([ids[pos]]), SequenceBatch((0,), (pos,), (1,), decode=True), cache)
         got.append(model.compute_logits(h))
+    torch.testing.assert_close(torch.cat(got), want, atol=ATOL, rtol=0)
+
+
+def test_teacher_forced_decode_through_a_paged_cache(pair):
+    """As above, through a paged cache of blocks of 4 tokens whose block table is a random permutation."""
+    ours, theirs, _ = pair
+    ids = prompt(40, ours.config.vocab_size, seed=4)
+    want = hf_logits(theirs, ids)
+    model, bs = ours.model, 4
+    table = tuple(torch.randperm(10, generator=torch.Generator().manual_seed(5)).tolist())
+    cache = PagedLatentCache(ours.config, 10, bs, torch.float32, "cpu")
+
+    def step(start, n):
+        slots = tuple(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        batch = PagedBatch((start,), (n,), (table,), bs, slots, decode=start > 0)
+        return model.compute_logits(model(torch.tensor(ids[start:start + n]), batch, cache))
+
+    got = [step(0, 10)] + [step(pos, 1) for pos in range(10, len(ids))]
     torch.testing.assert_close(torch.cat(got), want, atol=ATOL, rtol=0)
 
 
