@@ -18,15 +18,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # item -> chapter that will show it
 PENDING = {
-    **dict.fromkeys(["model.DecoderLayer", "model.Backbone", "model.DeepseekV2", "sampling.SamplingParams",
-                     "sampling.filter_logits", "sampling.sample", "llm.RequestOutput", "llm.resolve_model",
-                     "llm.LLM", "kv_cache.SequenceBatch", "kv_cache.LatentCache"], "09"),
-    **dict.fromkeys(["scheduler.Request", "scheduler.Work", "scheduler.SchedulerStats", "scheduler.Scheduler",
-                     "llm.RunStats"], "11"),
-    **dict.fromkeys(["mla.write_latent_cache", "block_manager.block_bytes", "block_manager.blocks_in_mib",
-                     "block_manager.block_hash", "block_manager.BlockStats", "block_manager.BlockPoolExhausted",
-                     "block_manager.BlockManager", "kv_cache.PagedBatch", "kv_cache.PagedLatentCache",
-                     "kv_cache.as_paged"], "12"),
 }
 CHAPTERS = {f"{i:02d}" for i in range(15)} | set("ABCD")
 
