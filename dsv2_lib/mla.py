@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from . import attention, kernels
+from .cache_write import write_cache_rows
 from .config import ModelConfig
 from .kv_cache import PagedBatch, SequenceBatch, as_paged
-from .mla_decode import mla_decode, mla_decode_query_dtype
+from .mla_decode import _kernel_applies, mla_decode, mla_decode_paged, mla_decode_query_dtype
 from .norm import RMSNorm
 from .rope import apply_rope_
 from .weights import Linear, upcast
@@ -31,8 +32,13 @@ from .weights import Linear, upcast
 def write_latent_cache(cache: torch.Tensor, batch: SequenceBatch | PagedBatch, rows: torch.Tensor) -> None:
     """Store packed ``rows [T, row_dim]`` in each token's slot of one layer's cache: paged ``[num_rows, row_dim]``
     with a :class:`PagedBatch` (a token whose slot is -1 is skipped), or contiguous ``[S, L, row_dim]`` with a
-    :class:`SequenceBatch` (row ``slot * L + position``). The reference for chapter 12's cache-write kernel."""
+    :class:`SequenceBatch` (row ``slot * L + position``). CUDA tensors: chapter 12's kernel
+    (:func:`~dsv2_lib.cache_write.write_cache_rows`, no host sync); otherwise the masked assignment below,
+    its reference."""
     batch, cache = as_paged(batch, cache)
+    if kernels.use_kernels(cache):
+        write_cache_rows(cache, rows, batch.slot_mapping, host_slots=batch.slots)
+        return
     keep = batch.slot_mapping >= 0
     cache[batch.slot_mapping[keep]] = rows[keep]
 
@@ -147,22 +153,37 @@ class MLA(nn.Module):
         are ``q_lat · latent + q_pe · k_pe`` (:func:`~dsv2_lib.mla_decode.mla_decode`: the kernel for
         CUDA tensors, else the fp32 reference); the softmax-weighted sum of latents is mapped to each
         head's value space by ``W_v`` once at the end. Token ``i`` of a sequence at ``start`` attends
-        over its first ``start + i + 1`` rows. ``mla_decode`` takes rows as ``[entries, length, row_dim]``:
-        when every context lies in one block (the contiguous cache) that is the cache itself, viewed;
-        otherwise each context is gathered through its block table (chapter 13's paged kernel reads
-        ``batch.block_table`` directly instead).
+        over its first ``start + i + 1`` rows. CUDA tensors (16-bit, a compiled shape): chapter 13's paged
+        kernel (:func:`~dsv2_lib.mla_decode.mla_decode_paged`) reads the rows through ``batch.block_table``
+        where they lie. Otherwise ``mla_decode`` takes rows as ``[entries, length, row_dim]``: when every
+        context lies in one block (the contiguous cache) that is the cache itself, viewed; else each context
+        is gathered through its block table (a copy).
         """
         c = self.cfg
         batch, cache = as_paged(batch, cache)
-        if all(len(t) == 1 for t in batch.block_tables):
-            rows, entries = cache.view(-1, batch.block_size, cache.shape[-1]), [t[0] for t in batch.block_tables]
-        else:
-            rows, entries = cache[batch.context_rows], range(len(batch.lens))  # [num_seqs, max_context, row_dim]
         w_k, w_v = self.split_kv_b()
-        dtype = mla_decode_query_dtype(rows, c.kv_lora_rank)  # the model dtype on the kernel path, else fp32
-        q_lat = torch.einsum("thn,hnc->thc", q_nope.to(dtype), w_k.to(dtype))
-        query = torch.cat([q_lat, q_pe.to(dtype)], dim=-1)  # [T, h, row_dim]: one dot product per cached row
-        slots = tuple(e for e, n in zip(entries, batch.lens) for _ in range(n))
         lengths = tuple(start + i + 1 for start, n in zip(batch.starts, batch.lens) for i in range(n))
-        out_lat = mla_decode(query, rows, slots, lengths, c.softmax_scale, c.kv_lora_rank)  # [T, h, kv_lora] fp32
+        if kernels.use_kernels(cache) and _kernel_applies(cache, c.kv_lora_rank):
+            dtype = cache.dtype
+            query = self._absorbed_query(q_nope, q_pe, w_k, dtype)
+            table = batch.block_table  # [num_seqs, max_blocks]: one entry per sequence
+            if any(n != 1 for n in batch.lens):  # several tokens of a sequence: one table row per token
+                seq_of_token = [i for i, n in enumerate(batch.lens) for _ in range(n)]
+                table = table[torch.tensor(seq_of_token, device=table.device)]
+            out_lat = mla_decode_paged(query, cache, table, lengths, batch.block_size, c.softmax_scale, c.kv_lora_rank)
+        else:
+            if all(len(t) == 1 for t in batch.block_tables):
+                rows, entries = cache.view(-1, batch.block_size, cache.shape[-1]), [t[0] for t in batch.block_tables]
+            else:
+                rows, entries = cache[batch.context_rows], range(len(batch.lens))  # [num_seqs, max_context, row_dim]
+            dtype = mla_decode_query_dtype(rows, c.kv_lora_rank)  # the model dtype on the kernel path, else fp32
+            query = self._absorbed_query(q_nope, q_pe, w_k, dtype)
+            slots = tuple(e for e, n in zip(entries, batch.lens) for _ in range(n))
+            out_lat = mla_decode(query, rows, slots, lengths, c.softmax_scale, c.kv_lora_rank)  # [T, h, kv_lora] fp32
         return torch.einsum("thc,hvc->thv", out_lat.to(dtype), w_v.to(dtype))
+
+    @staticmethod
+    def _absorbed_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``[W_kᵀ q_nope | q_pe]`` in ``dtype``: ``[T, h, row_dim]``, one dot product per cached row."""
+        q_lat = torch.einsum("thn,hnc->thc", q_nope.to(dtype), w_k.to(dtype))
+        return torch.cat([q_lat, q_pe.to(dtype)], dim=-1)

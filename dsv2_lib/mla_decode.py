@@ -36,8 +36,8 @@ MIN_TILES_PER_SPLIT = 4  # a split streams at least 4 × 32 rows (amortises its 
 COMBINE_WARPS = 8
 MLA_DECODE_CU = kernels.declare(
     "mla_decode.cu",
-    [f"mla_decode_split<{t}, {dl}, {dr}, {s}>" for t in ("__half", "__nv_bfloat16") for dl, dr in SHAPES
-     for s in STAGES] + ["mla_decode_combine"],
+    [f"mla_decode_split<{t}, {dl}, {dr}, {s}, {p}>" for t in ("__half", "__nv_bfloat16") for dl, dr in SHAPES
+     for s in STAGES for p in ("false", "true")] + ["mla_decode_combine"],
 )
 
 
@@ -134,6 +134,17 @@ def mla_decode(query: torch.Tensor, cache: torch.Tensor, slots: Sequence[int] | 
     if not kernels.aligned16(query, cache):
         raise ValueError("mla_decode: query and cache must start on 16-byte boundaries (the kernel copies 16-byte vectors)")
     slots_t, lengths_t, max_length = _entries(slots, lengths, B, num_slots, max_len, max_length, cache.device)
+    return _launch(query, cache, kernels.ptr(slots_t), lengths_t, max_length, scale, kv_lora_rank, out, workspace,
+                   num_splits, stages, fused, counters, (num_slots, max_len), None)
+
+
+def _launch(query, cache, slots_ptr, lengths_t, max_length, scale, kv_lora_rank, out, workspace, num_splits,
+            stages, fused, counters, geometry, paged):
+    """Configure and launch the split kernel (and the combine) for checked inputs. ``geometry`` is
+    ``(num_slots, max_len)`` of a contiguous cache; ``paged`` is ``None`` or ``(block_table, block_size)``
+    for a flat paged cache ``[num_rows, D]``."""
+    B, H, D = query.shape
+    num_slots, max_len = geometry
     if num_splits is None or stages is None or fused is None:
         d_splits, d_stages, d_fused = mla_decode_config(B, H, max_length, _sms(cache.device))
         num_splits = d_splits if num_splits is None else num_splits
@@ -151,8 +162,8 @@ def mla_decode(query: torch.Tensor, cache: torch.Tensor, slots: Sequence[int] | 
         return out
     if B > 65535:
         raise ValueError(f"mla_decode: batch {B} exceeds the grid's 65535 entries")
-    kernel = MLA_DECODE_CU.function(f"mla_decode_split<{CUDA_TYPE[cache.dtype]}, {kv_lora_rank}, {D - kv_lora_rank}, {stages}>",
-                                    cache.device)
+    kernel = MLA_DECODE_CU.function(f"mla_decode_split<{CUDA_TYPE[cache.dtype]}, {kv_lora_rank}, {D - kv_lora_rank}, "
+                                    f"{stages}, {'true' if paged else 'false'}>", cache.device)
     smem = _shared_bytes(stages, D, cache.dtype)
     blocks_per_wave = _blocks_per_wave(kernel, smem, cache.device)  # also opts the kernel in to `smem` bytes
     if num_splits is None:
@@ -165,8 +176,13 @@ def mla_decode(query: torch.Tensor, cache: torch.Tensor, slots: Sequence[int] | 
         splits = max(1, -(-max_length // chunk))
     grid = (splits, B, -(-H // HEADS_PER_BLOCK))
     scale_log2 = np.float32(scale * 1.4426950408889634)
-    common = (kernels.ptr(query), kernels.ptr(cache), kernels.ptr(slots_t), kernels.ptr(lengths_t), np.int32(H),
-              np.int32(num_slots), np.int32(max_len), np.int32(max_length), np.int32(chunk), scale_log2)
+    if paged is None:
+        tail = (np.uint64(0), np.int32(0), np.int32(0), np.int64(0))
+    else:
+        table, block_size = paged
+        tail = (kernels.ptr(table), np.int32(table.shape[1]), np.int32(block_size), np.int64(cache.shape[0]))
+    common = (kernels.ptr(query), kernels.ptr(cache), slots_ptr, kernels.ptr(lengths_t), np.int32(H),
+              np.int32(num_slots), np.int32(max_len), np.int32(max_length), np.int32(chunk), scale_log2) + tail
     common_nc = common[:4] + (np.uint64(0),) + common[4:]  # no counters: the combine kernel merges
     if splits == 1:  # the block writes the final result; no combine
         kernels.launch(kernel, grid, (WARPS * 32,), (kernels.ptr(out), np.uint64(0), np.uint64(0)) + common_nc,
@@ -204,6 +220,97 @@ def mla_decode(query: torch.Tensor, cache: torch.Tensor, slots: Sequence[int] | 
     return out
 
 
+def mla_decode_paged_reference(query: torch.Tensor, cache: torch.Tensor, block_table, lengths, block_size: int,
+                               scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """:func:`mla_decode_reference` over a paged cache ``[num_rows, D]``: entry ``b``'s position ``p`` is row
+    ``block_table[b][p // block_size] * block_size + p % block_size``; a ``-1`` (or out-of-range) table entry
+    reads as a row of zeros, as in the kernel."""
+    rows = block_table.tolist() if torch.is_tensor(block_table) else [list(t) for t in block_table]
+    width = max(map(len, rows), default=0)
+    table = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64).view(len(rows), width)
+    lengths = lengths.tolist() if torch.is_tensor(lengths) else list(lengths)
+    n = max(lengths, default=0)
+    if n > table.shape[1] * block_size:
+        raise ValueError(f"mla_decode_paged: a length of {n} needs more than the table's {table.shape[1]} blocks")
+    pos = torch.arange(n)
+    rows = table[:, pos // block_size] * block_size + pos % block_size  # [B, n]
+    valid = (table[:, pos // block_size] >= 0) & (rows < cache.shape[0])
+    gathered = cache[rows.clamp(0, max(cache.shape[0] - 1, 0)).to(cache.device)]
+    gathered = gathered.masked_fill(~valid.to(cache.device)[..., None], 0)  # [B, n, D]
+    return mla_decode_reference(query, gathered, range(len(lengths)), lengths, scale, kv_lora_rank)
+
+
+def mla_decode_paged(query: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor | Sequence[Sequence[int]],
+                     lengths: Sequence[int] | torch.Tensor, block_size: int, scale: float, kv_lora_rank: int, *,
+                     max_length: int | None = None, out: torch.Tensor | None = None,
+                     workspace: torch.Tensor | None = None, num_splits: int | None = None,
+                     stages: int | None = None, fused: bool | None = None,
+                     counters: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`mla_decode` over one layer of the paged cache (chapter 13): ``cache [num_rows, D]`` flat, and
+    entry ``b`` attends over its positions ``0 .. lengths[b]-1``, position ``p`` read from row
+    ``block_table[b][p // block_size] * block_size + p % block_size`` — no gather copy.
+
+    ``block_table`` is ``[B, max_blocks]`` int32 on the query's device, padded with -1
+    (:attr:`PagedBatch.block_table <dsv2_lib.kv_cache.PagedBatch>`), or host sequences (copied). A -1 or
+    out-of-range entry inside a context reads as a zero row (the kernel never reads there). ``lengths``
+    as in :func:`mla_decode`: host ints, checked against ``1 .. max_blocks · block_size``, or an int32
+    device tensor with ``max_length`` (then each length is clamped to it). The other arguments are
+    :func:`mla_decode`'s; the kernel is the same instantiation with ``PAGED = true``, so on the same
+    rows, splits and depth its results equal the contiguous kernel's bit for bit.
+    """
+    if not kernels.use_kernels(query) or not _kernel_applies(cache, kv_lora_rank) or cache.dim() != 2:
+        return mla_decode_paged_reference(query, cache, block_table, lengths, block_size, scale, kv_lora_rank)
+    kernels.check(cache, "mla_decode_paged cache", shape=(None, None))
+    num_rows, D = cache.shape
+    if query.dim() != 3:
+        raise ValueError(f"mla_decode_paged query: shape {list(query.shape)}, expected [B, h, {D}]")
+    B, H = query.shape[:2]
+    kernels.check(query, "mla_decode_paged query", dtype=cache.dtype, shape=(B, H, D), device=cache.device)
+    if not kernels.aligned16(query, cache):
+        raise ValueError("mla_decode_paged: query and cache must start on 16-byte boundaries (16-byte copies)")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"mla_decode_paged: block_size must be a positive int, got {block_size!r}")
+    if not torch.is_tensor(block_table):
+        rows = [list(t) for t in block_table]
+        width = max(map(len, rows), default=0)
+        block_table = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32).view(len(rows), width)
+        block_table = block_table.to(cache.device, non_blocking=True)
+    kernels.check(block_table, "mla_decode_paged block_table", dtype=torch.int32, shape=(B, None), device=cache.device)
+    width = block_table.shape[1]
+    capacity = width * block_size  # the longest context the table can describe
+    if capacity < 1:
+        raise ValueError("mla_decode_paged: the block table has no blocks")
+    if torch.is_tensor(lengths):
+        kernels.check(lengths, "mla_decode_paged lengths", dtype=torch.int32, shape=(B,), device=cache.device)
+        if max_length is None:
+            raise ValueError("mla_decode_paged: lengths on the device need max_length, a host bound on them (no sync)")
+        lengths_t = lengths
+    else:
+        lengths = tuple(int(n) for n in lengths)
+        if len(lengths) != B:
+            raise ValueError(f"mla_decode_paged: {len(lengths)} lengths for a batch of {B}")
+        for n in lengths:
+            if not 1 <= n <= capacity:
+                raise ValueError(f"mla_decode_paged: length {n} outside 1..{capacity} "
+                                 f"({width} blocks of {block_size} rows)")
+        bound = max(lengths, default=1)
+        if max_length is not None and max_length < bound:
+            raise ValueError(f"mla_decode_paged: max_length {max_length} is below the longest length {bound}")
+        max_length = max_length or bound
+        lengths_t = _device_lengths(lengths, cache.device)
+    if not 1 <= max_length <= capacity:
+        raise ValueError(f"mla_decode_paged: max_length {max_length} outside 1..{capacity} "
+                         f"({width} blocks of {block_size} rows)")
+    return _launch(query, cache, np.uint64(0), lengths_t, int(max_length), scale, kv_lora_rank, out, workspace,
+                   num_splits, stages, fused, counters, (0, 0), (block_table, block_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _device_lengths(lengths: tuple[int, ...], device) -> torch.Tensor:
+    """The same host lengths -> the same device tensor: every layer of a decode step reuses one copy."""
+    return torch.tensor(lengths, dtype=torch.int32).to(device, non_blocking=True)
+
+
 def mla_decode_counters(batch_size: int, heads: int, device: torch.device | str) -> torch.Tensor:
     """Zeroed int32 tickets for the fused combine: one per (entry, group of 16 heads). Every launch
     leaves them at zero, so one buffer serves every call on one stream (and CUDA-graph replays)."""
@@ -231,8 +338,9 @@ def _sms(device: torch.device) -> int:
 
 
 def _kernel_applies(cache: torch.Tensor, kv_lora_rank: int) -> bool:
-    """A compiled instantiation exists: 16-bit cache ``[S, L, kv_lora + rope]`` with a compiled shape."""
-    return (cache.dtype in (torch.float16, torch.bfloat16) and cache.dim() == 3
+    """A compiled instantiation exists: 16-bit cache ``[S, L, kv_lora + rope]`` (or paged ``[num_rows, ...]``)
+    with a compiled shape."""
+    return (cache.dtype in (torch.float16, torch.bfloat16) and cache.dim() in (2, 3)
             and (kv_lora_rank, cache.shape[-1] - kv_lora_rank) in SHAPES)
 
 

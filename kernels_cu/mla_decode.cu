@@ -35,6 +35,15 @@
 // per SM, 150-190 KB of shared memory) keep 3-4 tiles in flight; at batch 1 they also put most
 // of a split's chunk in flight at once, hiding the first tile's latency.
 //
+// Paged (PAGED = true, chapter 13). `cache` is one layer of the paged cache, flat [num_rows, D], and
+// entry b's context position p lives in row block_table[b][p / block_size] * block_size
+// + p % block_size (block_table [B, table_width] int32, padded with -1; block_size a runtime int);
+// `slots`, `num_slots` and `max_len` are unused. Only the address of a staged row changes: each
+// 16-byte vector of a tile looks its row up through the table (the table row is tiny and stays in
+// L1), so the arithmetic, and hence every result, is that of the contiguous kernel on the same rows.
+// A table entry that is -1 or points past num_rows (or a position past the table) gives a zero row
+// without any read (cp.async src-size 0). With PAGED = false nothing of this is compiled.
+//
 // Bounds. The host checks shapes, dtypes, alignment and max_length <= max_len. On the device, a
 // length is clamped to [0, max_length]; an entry whose slot is outside [0, num_slots) or whose
 // length is <= 0 attends over nothing and gets zeros. Rows past the chunk are zero-filled by
@@ -69,17 +78,19 @@ constexpr int TILE = 32;   // cache rows per pipeline stage
 // Dynamic shared memory of mla_decode_split<T, DL, DR, STAGES> (keep in sync with mla_decode.py):
 //   STAGES * TILE rows of PITCH = D + 8 elements (the 16-byte pad puts the 8 rows an ldmatrix
 //   reads in 8 different bank groups), then WARPS x 16 x 32 fp32 partial scores.
-template <typename T, int DL, int DR, int STAGES>
+template <typename T, int DL, int DR, int STAGES, bool PAGED>
 __global__ void __launch_bounds__(mla::THREADS) mla_decode_split(
     float* __restrict__ o_part,       // [B, H, splits, DL]; == out [B, H, DL] when splits == 1
     float* __restrict__ lse_part,     // [B, H, splits], or nullptr when splits == 1
     float* __restrict__ final_out,    // [B, H, DL]: written by the fused combine (counters != nullptr)
     const T* __restrict__ q,          // [B, H, D]
-    const T* __restrict__ cache,      // [num_slots, max_len, D]
+    const T* __restrict__ cache,      // [num_slots, max_len, D]; PAGED: [num_rows, D]
     const int* __restrict__ slots,    // [B]
     const int* __restrict__ lengths,  // [B]
     int* __restrict__ counters,       // [B, head groups] tickets (all 0) for the fused combine, or nullptr
-    int H, int num_slots, int max_len, int max_length, int chunk, float scale_log2) {
+    int H, int num_slots, int max_len, int max_length, int chunk, float scale_log2,
+    const int* __restrict__ block_table,  // PAGED: [B, table_width]; else unused (nullptr)
+    int table_width, int block_size, long long num_rows) {
     using namespace mla;
     constexpr int D = DL + DR, PITCH = D + 8;
     constexpr int KS = D / 16;                 // k-steps of the score product
@@ -97,13 +108,17 @@ __global__ void __launch_bounds__(mla::THREADS) mla_decode_split(
     const int split = blockIdx.x, b = blockIdx.y, h0 = blockIdx.z * HEADS, splits = gridDim.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 
-    const int slot = slots[b];
     int len = min(lengths[b], max_length);
-    if (slot < 0 || slot >= num_slots) len = 0;
+    int slot = 0;
+    if constexpr (!PAGED) {
+        slot = slots[b];
+        if (slot < 0 || slot >= num_slots) len = 0;
+    }
     const int t_begin = split * chunk;
     const int t_end = min(len, t_begin + chunk);
     const int ntiles = t_end > t_begin ? (t_end - t_begin + TILE - 1) / TILE : 0;
-    const T* rows = cache + (long long)(ntiles > 0 ? slot : 0) * max_len * D;
+    const T* rows = PAGED ? cache : cache + (long long)(ntiles > 0 ? slot : 0) * max_len * D;
+    const int* table = PAGED ? block_table + (long long)b * table_width : nullptr;
 
     // Stage tile `it` of this chunk into buffer `buf`: 32 rows x D/8 vectors, 128 threads.
     auto load_tile = [&](int it, int buf) {
@@ -112,8 +127,21 @@ __global__ void __launch_bounds__(mla::THREADS) mla_decode_split(
         for (int v = threadIdx.x; v < TILE * VEC_PER_ROW; v += THREADS) {
             const int r = v / VEC_PER_ROW, c = (v % VEC_PER_ROW) * 8;
             const int tok = tok0 + r;
-            const bool in = tok < t_end;
-            cp_async16(dst + r * PITCH + c, rows + (long long)(in ? tok : t_begin) * D + c, in ? 16 : 0);
+            if constexpr (PAGED) {
+                long long row = 0;
+                bool in = tok < t_end;
+                if (in) {
+                    const int blk_i = tok / block_size;
+                    const int blk = blk_i < table_width ? table[blk_i] : -1;
+                    row = (long long)blk * block_size + (tok - blk_i * block_size);
+                    in = blk >= 0 && row < num_rows;
+                }
+                // a position past the context is masked to -inf below; a bad table entry reads as zeros
+                cp_async16(dst + r * PITCH + c, rows + (in ? row : 0) * D + c, in ? 16 : 0);
+            } else {
+                const bool in = tok < t_end;
+                cp_async16(dst + r * PITCH + c, rows + (long long)(in ? tok : t_begin) * D + c, in ? 16 : 0);
+            }
         }
     };
 

@@ -16,8 +16,9 @@ import torch
 from dsv2_lib import TINY
 from dsv2_lib.kv_cache import LatentCache, SequenceBatch
 from dsv2_lib.mla import MLA, causal_attention
-from dsv2_lib.mla_decode import (TILE, WARPS, mla_decode, mla_decode_query_dtype, mla_decode_reference,
-                                 mla_decode_splits, mla_decode_workspace)
+from dsv2_lib.mla_decode import (TILE, WARPS, mla_decode, mla_decode_paged, mla_decode_paged_reference,
+                                 mla_decode_query_dtype, mla_decode_reference, mla_decode_splits,
+                                 mla_decode_workspace)
 
 # ---- the identities --------------------------------------------------------------------------------
 
@@ -175,13 +176,22 @@ def ldmatrix_x4(smem, addr, trans=False):
     return out
 
 
-def emulate_block(q, cache, slot, length, max_length, chunk, split, h0, scale_log2, DL):
-    """One block of mla_decode_split (float64, no rounding): returns (o [H, DL] for heads h0.., lse)."""
+def paged_row(table, block_size, num_rows, tok):
+    """The kernel's PAGED address of context position ``tok`` (None: a zero row, nothing read)."""
+    blk_i = tok // block_size
+    blk = table[blk_i] if blk_i < len(table) else -1
+    row = blk * block_size + (tok - blk_i * block_size)
+    return row if blk >= 0 and row < num_rows else None
+
+
+def emulate_block(q, cache, slot, length, max_length, chunk, split, h0, scale_log2, DL, table=None, block_size=None):
+    """One block of mla_decode_split (float64, no rounding): returns (o [H, DL] for heads h0.., lse).
+    With ``table`` (PAGED = true) ``cache`` is flat ``[num_rows, D]`` and ``slot`` is unused."""
     H, D = q.shape
     KS, QKS, NT_S, COLS = D // 16, -(-(D // 16) // WARPS), TILE // 8, DL // WARPS
     NT_O = COLS // 8
     length = min(length, max_length)
-    if not 0 <= slot < cache.shape[0]:
+    if table is None and not 0 <= slot < cache.shape[0]:
         length = 0
     t_begin, t_end = split * chunk, min(length, split * chunk + chunk)
     ntiles = -(-(t_end - t_begin) // TILE) if t_end > t_begin else 0
@@ -206,7 +216,12 @@ def emulate_block(q, cache, slot, length, max_length, chunk, split, h0, scale_lo
         tile = np.zeros((TILE, D))
         for r in range(TILE):
             if tok0 + r < t_end:
-                tile[r] = cache[slot, tok0 + r]
+                if table is None:
+                    tile[r] = cache[slot, tok0 + r]
+                else:
+                    row = paged_row(table, block_size, cache.shape[0], tok0 + r)
+                    if row is not None:  # else the cp.async zero-fill
+                        tile[r] = cache[row]
         ss = np.zeros((WARPS, 32, NT_S, 4))
         for w in range(WARPS):
             s = [[[0.0] * 4 for _ in range(NT_S)] for _ in range(32)]
@@ -304,9 +319,9 @@ def emulate_fused_combine(part, lse, b, h0, DL, threads=WARPS * 32):
     return out
 
 
-def emulate_kernel(q, cache, slots, lengths, scale, DL, splits, max_length, fused=False):
+def emulate_kernel(q, cache, slots, lengths, scale, DL, splits, max_length, fused=False, tables=None, block_size=None):
     """mla_decode_split over the grid (splits, B, head groups), then mla_decode_combine (or, fused,
-    the last block's merge)."""
+    the last block's merge). ``tables`` (one block table per entry) emulates PAGED = true."""
     B, H, _ = q.shape
     chunk = -(-(-(-max_length // TILE)) // splits) * TILE
     splits = max(1, -(-max_length // chunk))
@@ -315,7 +330,8 @@ def emulate_kernel(q, cache, slots, lengths, scale, DL, splits, max_length, fuse
     for b in range(B):
         for h0 in range(0, H, 16):
             for s in range(splits):
-                o, ls = emulate_block(q[b], cache, slots[b], lengths[b], max_length, chunk, s, h0, scale * np.log2(np.e), DL)
+                o, ls = emulate_block(q[b], cache, None if tables else slots[b], lengths[b], max_length, chunk, s, h0,
+                                      scale * np.log2(np.e), DL, tables[b] if tables else None, block_size)
                 n = min(16, H - h0)
                 part[b, h0 : h0 + n, s], lse[b, h0 : h0 + n, s] = o[:n], ls[:n]
     if fused and splits > 1:
@@ -358,6 +374,74 @@ def test_emulated_kernel_gives_zeros_for_a_bad_slot_or_empty_length():
     for fused in (False, True):
         got = emulate_kernel(q, cache, [5, 0, -1], [10, 0, 3], 0.3, 64, 2, 40, fused=fused)
         assert np.array_equal(got, np.zeros_like(got))
+
+
+# ---- the paged address mapping (PAGED = true) ------------------------------------------------------
+
+
+def random_tables(rng, lengths, block_size, num_blocks, pad=1):
+    """Block tables drawn from a random permutation of the pool (no block shared), each padded with
+    ``pad`` extra blocks past its context, as a table of a growing sequence is."""
+    perm = rng.permutation(num_blocks).tolist()
+    tables = []
+    for n in lengths:
+        k = -(-n // block_size) + pad
+        tables.append([perm.pop() for _ in range(k)])
+    return tables
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["combine-kernel", "fused-combine"])
+@pytest.mark.parametrize("H,DL,DR,lengths,splits,block_size", [
+    (4, 64, 16, [1, 15, 16, 17, 70], 1, 16),   # lengths around the tile and block edges
+    (4, 64, 16, [70, 33, 5], 3, 1),            # blocks of one row: every row looked up on its own
+    (4, 64, 16, [70, 33], 2, 64),              # blocks larger than a tile
+    (20, 64, 16, [40, 1], 2, 7),               # a block size that divides nothing
+    (16, 512, 64, [45], 2, 16),                # DeepSeek-V2-Lite's rows
+])
+def test_emulated_paged_kernel_matches_the_reference(H, DL, DR, lengths, splits, block_size, fused):
+    """Rows scattered over a permuted pool, read through the tables: the contiguous reference of the
+    same rows, and the paged reference."""
+    rng = np.random.default_rng(2)
+    D, B = DL + DR, len(lengths)
+    num_blocks = sum(-(-n // block_size) + 1 for n in lengths) + 3
+    cache = rng.standard_normal((num_blocks * block_size, D))
+    tables = random_tables(rng, lengths, block_size, num_blocks)
+    q = rng.standard_normal((B, H, D)) * 0.5
+    got = emulate_kernel(q, cache, None, lengths, 0.3, DL, splits, max(lengths), fused=fused, tables=tables,
+                         block_size=block_size)
+    contiguous = np.zeros((B, max(lengths), D))
+    for b, (t, n) in enumerate(zip(tables, lengths)):
+        for p in range(n):
+            contiguous[b, p] = cache[t[p // block_size] * block_size + p % block_size]
+    want = mla_decode_reference(torch.from_numpy(q), torch.from_numpy(contiguous), range(B), lengths, 0.3, DL).numpy()
+    assert np.abs(got - want).max() < 1e-12
+    ref = mla_decode_paged_reference(torch.from_numpy(q), torch.from_numpy(cache), tables, lengths, block_size, 0.3, DL)
+    assert np.abs(ref.numpy() - want).max() < 1e-12
+
+
+def test_emulated_paged_kernel_reads_zero_rows_for_bad_table_entries():
+    """A -1 or out-of-range block inside a context reads as zeros (never as an address), as the paged
+    reference says; the paged wrapper falls back to that reference on the CPU."""
+    rng = np.random.default_rng(3)
+    block_size, D, DL = 4, 80, 64
+    cache = rng.standard_normal((6 * block_size, D))
+    tables = [[2, -1, 5], [1, 99, 0]]
+    lengths = [11, 10]
+    q = rng.standard_normal((2, 4, D)) * 0.5
+    got = emulate_kernel(q, cache, None, lengths, 0.3, DL, 2, 11, tables=tables, block_size=block_size)
+    want = mla_decode_paged_reference(torch.from_numpy(q), torch.from_numpy(cache), tables, lengths, block_size, 0.3, DL)
+    assert np.abs(got - want.numpy()).max() < 1e-12
+    zero = np.zeros((1, 4, D))  # a context of zero rows only: uniform weights over zero latents
+    assert np.array_equal(emulate_kernel(zero, cache, None, [4], 0.3, DL, 1, 4, tables=[[-1]], block_size=4),
+                          np.zeros((1, 4, DL)))
+    table = torch.tensor([[2, -1, 5], [1, 99, 0]], dtype=torch.int32)
+    cpu = mla_decode_paged(torch.from_numpy(q), torch.from_numpy(cache), table, lengths, block_size, 0.3, DL)
+    assert torch.equal(cpu, want)
+
+
+def test_paged_reference_refuses_a_context_longer_than_its_table():
+    with pytest.raises(ValueError, match="needs more than the table"):
+        mla_decode_paged_reference(torch.zeros(1, 4, 80), torch.zeros(8, 80), [[0]], [5], 4, 0.3, 64)
 
 
 # ---- the engine keeps its semantics ---------------------------------------------------------------

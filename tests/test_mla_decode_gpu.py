@@ -238,3 +238,126 @@ def test_engine_decode_attention_uses_the_kernel(dtype, monkeypatch):
     assert got.dtype == dtype and got.shape == want.shape
     err = (got.float() - want.float()).abs().max().item()
     assert err <= 16 * U[dtype] * want.float().abs().max().item()
+
+
+# ---- the paged kernel (chapter 13): PAGED = true reads rows through a block table ---------------------
+from dsv2_lib.mla_decode import mla_decode_paged, mla_decode_paged_reference  # noqa: E402
+
+
+def paged_inputs(lengths, block_size, dtype, heads=16, dl=512, dr=64, spare=3, seed=0):
+    """A pool of blocks in random order: every entry's table is drawn from one permutation of the pool
+    (padded with -1 to the widest), and the same rows gathered into a contiguous [B, max_len, D] cache."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(need) + spare
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[perm.pop() for _ in range(k)] for k in need]
+    width = max(need)
+    table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
+    q, _ = make_inputs(len(lengths), heads, dl, dr, dtype, num_slots=1, max_len=1, seed=seed)
+    pool = torch.randn(num_blocks * block_size, dl + dr, generator=g).to(dtype).cuda()
+    contiguous = torch.zeros(len(lengths), width * block_size, dl + dr, dtype=dtype, device="cuda")
+    for b, (t, n) in enumerate(zip(tables, lengths)):
+        pos = torch.arange(n)
+        rows = torch.tensor(t)[pos // block_size] * block_size + pos % block_size
+        contiguous[b, :n] = pool[rows.cuda()]
+    return q, pool, table, contiguous
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda l: "-".join(map(str, l)))
+def test_paged_equals_contiguous_kernel_on_the_same_rows(lengths, block_size, dtype):
+    q, pool, table, contiguous = paged_inputs(lengths, block_size, dtype)
+    B = len(lengths)
+    for num_splits, stages, fused in ((1, 2, False), (3, 2, False), (3, 4, True), (None, None, None)):
+        kw = dict(num_splits=num_splits, stages=stages, fused=fused)
+        got = mla_decode_paged(q, pool, table, lengths, block_size, 0.1147, 512, **kw)
+        same = mla_decode(q, contiguous, list(range(B)), lengths, 0.1147, 512, **kw)
+        if num_splits is not None:  # same splits and depth: the same arithmetic on the same rows
+            assert torch.equal(got, same), (num_splits, stages, fused)
+        assert close(got, mla_decode_reference(q, contiguous, range(B), lengths, 0.1147, 512), pool, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_other_shapes_and_reference(dtype):
+    lengths = [1, 15, 16, 17, 100]
+    q, pool, table, contiguous = paged_inputs(lengths, 16, dtype, heads=20, dl=64, dr=16)
+    got = mla_decode_paged(q, pool, table, lengths, 16, 0.3, 64, num_splits=2)
+    want = mla_decode_paged_reference(q, pool, table, lengths, 16, 0.3, 64)
+    assert close(got, want, pool, dtype)
+    assert torch.equal(got, mla_decode(q, contiguous, list(range(5)), lengths, 0.3, 64, num_splits=2))
+
+
+def test_paged_bad_table_entries_read_zero_rows_and_bad_inputs_are_refused():
+    q, pool, table, _ = paged_inputs([40, 20], 16, torch.bfloat16)
+    table[0, 1] = -1                      # a hole inside a context
+    table[1, 0] = pool.shape[0] // 16 + 5  # a block past the pool
+    got = mla_decode_paged(q, pool, table, [40, 20], 16, 0.1147, 512, num_splits=2)
+    want = mla_decode_paged_reference(q, pool, table, [40, 20], 16, 0.1147, 512)
+    assert close(got, want, pool, torch.bfloat16)
+    with pytest.raises(ValueError, match="length 49 outside 1..48"):
+        mla_decode_paged(q, pool, table, [49, 20], 16, 0.1147, 512)
+    with pytest.raises(TypeError):
+        mla_decode_paged(q, pool, table.long(), [40, 20], 16, 0.1147, 512)
+    with pytest.raises(ValueError, match="need max_length"):
+        mla_decode_paged(q, pool, table, torch.tensor([40, 20], dtype=torch.int32, device="cuda"), 16, 0.1, 512)
+    lengths = torch.tensor([400, 20], dtype=torch.int32, device="cuda")  # clamped to max_length on the device
+    got = mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512, max_length=40, num_splits=1)
+    assert close(got, want, pool, torch.bfloat16)
+
+
+@pytest.mark.cuda_graph
+def test_paged_cuda_graph_capture_and_replay():
+    q, pool, table, _ = paged_inputs([900, 5, 300], 16, torch.bfloat16)
+    lengths = torch.tensor([900, 5, 300], dtype=torch.int32, device="cuda")
+    out = torch.empty(3, 16, 512, device="cuda")
+    kw = dict(max_length=900, workspace=mla_decode_workspace(3, 16, 64, 512, "cuda"), num_splits=6,
+              counters=mla_decode_counters(3, 16, "cuda"), fused=True, stages=4, out=out)
+    mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512, **kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512, **kw)
+    for step in range(3):
+        pool.copy_(torch.randn(pool.shape, device="cuda").to(pool.dtype))
+        table.copy_(table[:, torch.randperm(table.shape[1], device="cuda")].roll(1, 0))  # new tables, same pool
+        lengths.copy_(torch.tensor([900 - step, 5 + 100 * step, 1 + step], dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = mla_decode_paged_reference(q, pool, table, lengths, 16, 0.1147, 512)
+        assert close(out, want, pool, torch.bfloat16)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_engine_decode_attention_uses_the_paged_kernel(block_size, monkeypatch):
+    """MLA.decode_attention over a paged cache with permuted tables runs mla_decode_paged (no gather) and
+    agrees with the reference path (16u, as test_engine_decode_attention_uses_the_kernel explains)."""
+    from dsv2_lib import mla as mla_mod
+    from dsv2_lib.kv_cache import PagedBatch
+    dtype = torch.bfloat16
+    cfg = dataclasses.replace(TINY, num_hidden_layers=1)
+    torch.manual_seed(0)
+    attn = MLA(cfg).to(device="cuda", dtype=dtype)
+    for p in attn.parameters():
+        p.copy_(torch.randn(p.shape, device="cuda") / p.shape[-1] ** 0.5)
+    starts, lens = (100, 7, 0), (1, 3, 1)
+    ctx = [s + n for s, n in zip(starts, lens)]
+    perm = torch.randperm(sum(-(-n // block_size) for n in ctx) + 2).tolist()
+    tables = tuple(tuple(perm.pop() for _ in range(-(-n // block_size))) for n in ctx)
+    slots = tuple(t[p // block_size] * block_size + p % block_size for t, a, n in zip(tables, starts, lens)
+                  for p in range(a, a + n))
+    batch = PagedBatch(starts, lens, tables, block_size, slots, decode=True, device="cuda")
+    cache = torch.randn((len(perm) + sum(map(len, tables))) * block_size, cfg.cache_row_dim, device="cuda").to(dtype)
+    h, T = cfg.num_attention_heads, sum(lens)
+    q_nope = torch.randn(T, h, cfg.qk_nope_head_dim, device="cuda").to(dtype)
+    q_pe = torch.randn(T, h, cfg.qk_rope_head_dim, device="cuda").to(dtype)
+    calls = []
+    real = mla_mod.mla_decode_paged
+    monkeypatch.setattr(mla_mod, "mla_decode_paged", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    got = attn.decode_attention(q_nope, q_pe, batch, cache)
+    assert calls
+    monkeypatch.setenv("DSV2_BACKEND", "torch")
+    want = attn.decode_attention(q_nope, q_pe, batch, cache)
+    err = (got.float() - want.float()).abs().max().item()
+    assert got.shape == want.shape and err <= 16 * U[dtype] * want.float().abs().max().item()
