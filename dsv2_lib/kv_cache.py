@@ -32,6 +32,12 @@ class _Packed:
     def num_tokens(self) -> int:
         return sum(self.lens)
 
+    @cached_property
+    def last_position(self) -> int:
+        """The largest position of any new token (-1 for none), known on the host: computed once per
+        batch, not once per layer, it bounds the positions RoPE reads without a device sync."""
+        return max((s + n - 1 for s, n in zip(self.starts, self.lens)), default=-1)
+
     def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Absolute position of every packed token, ``[num_tokens]`` int64."""
         return torch.cat(

@@ -88,10 +88,11 @@ class MLA(nn.Module):
         return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor, batch: SequenceBatch,
+        self, x: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor, batch: SequenceBatch | PagedBatch,
         cache: torch.Tensor,
     ) -> torch.Tensor:
-        """``x [T, H]`` -> ``[T, H]``; writes this step's rows into ``cache [S, L, row_dim]`` first.
+        """``x [T, H]`` -> ``[T, H]``; writes this step's rows into the cache before attending: ``cache``
+        is one layer, ``[S, L, row_dim]`` for a SequenceBatch, ``[rows, row_dim]`` for a PagedBatch.
 
         ``positions [T]`` (int64, on x's device) index ``rope_cache [P, rope_dim]`` (rope_cos_sin_cache).
         """
@@ -99,8 +100,7 @@ class MLA(nn.Module):
         q = self.project_q(x)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.project_latent(x)
-        last = max((s + n - 1 for s, n in zip(batch.starts, batch.lens)), default=-1)  # bounds positions, from the host
-        apply_rope_(q_pe, k_pe, positions, rope_cache, last)  # in place, on the strided views of q and kv_a's output
+        apply_rope_(q_pe, k_pe, positions, rope_cache, batch.last_position)  # in place, on the strided views of q and kv_a's output
         write_latent_cache(cache, batch, torch.cat([latent, k_pe], dim=-1))
         attend = self.decode_attention if batch.decode else self.prefill_attention
         out = attend(q_nope, q_pe, batch, cache)
