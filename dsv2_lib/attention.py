@@ -68,18 +68,19 @@ ATTENTION_CU = kernels.declare(
 )
 
 # The engine's choice, per shape, from the H200 measurement of 2026-11-29 (chapter 06's table,
-# tests/bench_attention_prefill.py): cuDNN SDPA beat our first kernel at every measured shape
-# (1 x 512: 99.8 vs 41.8 TFLOP/s; 8 x 4096: 514 vs 148), so SDPA takes every shape from the
-# smallest measured one (512 tokens) up. Smaller prefills, and batches SDPA would need many calls
-# for (mixed lengths or a cached prefix: one call per sequence), take our kernel, whose variant
-# is KERNEL_VARIANT (SMALL_KERNEL_VARIANT when there are fewer than SMALL_TILES 64-query tiles,
-# counting every head). The benchmark prints the crossover and the winning variants to re-set these.
-SDPA_MIN_TOKENS = 512    # at or above this many packed query tokens, SDPA ...
-SDPA_MIN_MAX_LEN = 512   # ... provided the longest sequence has at least this many ...
+# tests/bench_attention_prefill.py). The comparison is with SDPA as the engine calls it, the k_pe
+# broadcast to every head included: our best variant wins up to 512-token sequences (1 x 512: 74.7
+# vs 63.5 TFLOP/s; 8 x 512: 144 vs 120), SDPA (cuDNN) from 1024 on (1 x 1024: 159 vs 117; 8 x 4096:
+# 427 vs 259). Batches SDPA would need many calls for (mixed lengths or a cached prefix: one call per
+# sequence) take our kernel at every length. Its variant is KERNEL_VARIANT, or SMALL_KERNEL_VARIANT
+# below SMALL_TILES 64-query tiles (counting every head). The benchmark prints the crossover and
+# the winning variants to re-set these.
+SDPA_MIN_TOKENS = 1024   # at or above this many packed query tokens, SDPA ...
+SDPA_MIN_MAX_LEN = 1024  # ... provided the longest sequence has at least this many ...
 SDPA_MAX_CALLS = 8       # ... and SDPA needs at most this many calls (1 when all lengths are equal)
-KERNEL_VARIANT = "mma"
-SMALL_KERNEL_VARIANT = "mma"
-SMALL_TILES = 264        # 2 blocks on each of the H200's 132 SMs
+KERNEL_VARIANT = "mma_w8_st2"        # 8 x 4096: 259 TFLOP/s (the first version: 240)
+SMALL_KERNEL_VARIANT = "mma_w4_st2"  # 1 x 512: 74.7, 8 x 512: 144 (the first version: 70.4, 141)
+SMALL_TILES = 2048       # 8 x 512 (1024 tiles) still takes the small variant, 8 x 4096 (8192) the large
 
 
 def prefill_backend(num_tokens: int, max_len: int, num_calls: int = 1) -> str:

@@ -30,7 +30,11 @@ from .weights import upcast
 HEADS_PER_BLOCK, WARPS, TILE = 16, 4, 32  # kernels_cu/mla_decode.cu: mla::HEADS, WARPS, TILE
 STAGES = (2, 3, 4, 5)  # pipeline depths compiled (STAGES - 1 tiles of 32 rows in flight per block)
 DEFAULT_STAGES = 2
-FUSED_MAX_SPLITS = 16  # the default policy fuses the combine up to this many splits (one block merges them)
+# The default policy fuses the combine up to this many splits (one block merges them). Measured on
+# the H200 (tests/bench_mla_decode.py, 2026-11-29): fused only ties the combine kernel at 2 splits
+# (128 x 2048: 105.6 vs 105.8 µs) and loses from 4 on (64 x 4096: 103.0 vs 101.1; 32 x 8192, 8 splits:
+# 107.3 vs 100.2), where the last block's serial merge of every split outlasts a second launch.
+FUSED_MAX_SPLITS = 2
 SHAPES = ((512, 64), (64, 16))  # (kv_lora_rank, rope dim) compiled: DeepSeek-V2(-Lite), the tiny model
 MIN_TILES_PER_SPLIT = 4  # a split streams at least 4 × 32 rows (amortises its query load and partial write)
 COMBINE_WARPS = 8

@@ -35,20 +35,19 @@ from .mlp import MLP, silu_and_mul
 from .weights import empty_param, upcast
 
 # Thresholds, from tests/bench_moe.py on the H200 (it prints the sweep that re-sets them: every path
-# forced at 1 ... 4096 tokens, and its recommendation). Measured 2026-11-29 with the per-choice GEMV:
-# it beat both grouped GEMMs up to 16 tokens, and torch._grouped_mm beat our mma kernel at EVERY size
+# forced at 1 ... 4096 tokens, and its recommendation). Measured 2026-11-29 (second run): the GEMV
+# beat both grouped GEMMs up to 16 tokens, torch._grouped_mm beat our mma kernel at EVERY size
 # (1 ... 4096), so for bf16 the engine goes straight from the GEMV to torch._grouped_mm; our mma
-# kernel remains the taught kernel and the fp16 path. The grouped GEMV reads each selected expert once,
-# so it stays weight-read-bound to a few dozen tokens: GEMV_MAX_TOKENS = 32 until the bench re-sets it.
-GEMV_MAX_TOKENS = 32         # up to this many tokens: the GEMV kernels
+# kernel remains the taught kernel and the fp16 path.
+GEMV_MAX_TOKENS = 16         # up to this many tokens: the GEMV kernels (32: grouped_mm 0.40 ms vs GEMV 0.47)
 GROUPED_MM_MIN_TOKENS = 1    # beyond the GEMV, bf16 always takes torch._grouped_mm (measured faster than mma)
 GROUPED_MM_ALIGN = 8         # rows per expert segment are padded to this for torch._grouped_mm
 FP32_GEMV_MAX_TOKENS = 64    # fp32 has no tensor-core path here: GEMV kernels up to this, the reference beyond
 GEMV_KERNEL = "grouped"      # "grouped" (each selected expert read once) or "per_choice" (the first version)
 GEMV_TB = 8                  # choices per work item of the grouped GEMV (GEMV_TB in moe.cu)
-GEMV_WARPS = 8               # warps per block of the grouped GEMV kernels (1..8: __launch_bounds__(256))
+GEMV_WARPS = 4               # warps per block of the grouped GEMV kernels (1..8: __launch_bounds__(256))
 GEMV_COLS_PER_WARP = 1       # output columns per warp of the grouped GEMV (grid y = cols / (warps * this))
-SHARED_IN_ROUTER = True      # moe_decode: the shared experts' gate|up runs in the router kernel's launch
+SHARED_IN_ROUTER = False     # moe_decode: the shared experts' gate|up runs in the router kernel's launch
 ROUTER_THREADS = 256         # block of moe_route_gemv (block 0 routes, one warp per token; the rest: shared gate|up)
 TILE_M = 64                  # rows per tile of our grouped GEMM (BM in moe.cu)
 GEMM_N = {"gate_up": 64, "down": 128}  # output columns per block (BN/2 and BN in moe.cu)

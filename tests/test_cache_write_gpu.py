@@ -42,8 +42,8 @@ def test_unaligned_and_odd_widths_take_the_element_variant(dtype, monkeypatch):
     fn = kernels.KernelFile.function
     monkeypatch.setattr(kernels.KernelFile, "function", lambda self, n, d: (names.append(n), fn(self, n, d))[1])
     for D, offset in ((7, 0), (576, 1)):  # rows not whole vectors; a cache view starting off a 16-byte boundary
-        base, rows, slots = inputs(301, 40, D + offset, dtype, seed=D)
-        cache, rows = base[:300, offset:], rows[:, offset:]
+        base, rows, slots = inputs(300, 40, D + offset, dtype, seed=D)
+        cache, rows = base[:, offset:], rows[:, offset:]
         want = cache.clone()
         write_cache_rows_reference(want, rows, slots)
         write_cache_rows(cache, rows, slots)

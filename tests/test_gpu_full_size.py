@@ -177,3 +177,33 @@ def test_full_size_greedy_tokens_same_with_kernels_and_reference(checkpoint, mon
     del llm
     free_gpu()
     assert tokens["cuda"] == tokens["torch"]
+
+
+def test_full_size_serves_256_concurrent_requests(checkpoint):
+    """bf16: 256 requests of mixed lengths (16-300 tokens, one shared 64-token system prompt) at once
+    through the continuous scheduler on a paged cache sized for all of them: every request finishes
+    with its 32 tokens, all 256 run in one decode batch, the shared prefix is prefilled once, and every
+    block is free again at the end. Prints the statistics (``--stats``) and writes them as JSON."""
+    from dsv2_lib import SamplingParams
+
+    gen = torch.Generator().manual_seed(1)
+    system = torch.randint(0, DEEPSEEK_V2_LITE.vocab_size, (64,), generator=gen).tolist()
+    lens = torch.randint(16, 300, (256,), generator=gen).tolist()
+    prompts = [system + torch.randint(0, DEEPSEEK_V2_LITE.vocab_size, (n - 64 if n > 64 else n,), generator=gen).tolist()
+               for n in lens]
+    llm = LLM(checkpoint, device="cuda", dtype="bfloat16")
+    out = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True), progress=False)
+    stats = llm.last_stats
+    del llm
+    free_gpu()
+    print(stats.summary())
+    s, b = stats.scheduler, stats.blocks
+    if os.environ.get("DSV2_RESULTS_DIR"):
+        Path(os.environ["DSV2_RESULTS_DIR"], "serve_256.json").write_text(json.dumps(
+            {"scheduler": vars(s), "blocks": vars(b), "generated_tokens": stats.generated_tokens,
+             "seconds": stats.seconds}, indent=2))
+    assert [len(o.token_ids) for o in out] == [32] * 256 and {o.finish_reason for o in out} == {"length"}
+    assert s.peak_running == 256 and s.max_decode_batch == 256 and s.preemptions == 0
+    assert s.free_blocks == s.pool_blocks and b.used_blocks == 0
+    # the 64-token system prompt is 4 blocks of 16: computed for the first request, hit by the other 255
+    assert s.prefix_hit_tokens == 255 * 64 and s.prefill_tokens == sum(map(len, prompts)) - 255 * 64

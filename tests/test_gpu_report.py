@@ -18,4 +18,5 @@ def test_report_is_green():
     assert report["gpu_tests"]["passed"] > 0 and report["gpu_tests"]["failed"] == report["gpu_tests"]["errors"] == 0
     for tool in ("memcheck", "racecheck"):
         assert report[tool]["errors"] == 0 and report[tool]["tests"]["failed"] == 0, tool
+        assert not report[tool]["tests"].get("timed_out"), f"{tool} ran out of time"
         assert report[tool]["tests"]["passed"] > 0, f"{tool} ran no kernel test"
