@@ -8,9 +8,10 @@
    allocator off so that every tensor is its own allocation and an out-of-bounds access is caught
    at the tensor's edge (tests marked ``cuda_graph`` are left out there: capture cannot allocate
    without the caching allocator; so are tests marked ``heavy``, the large sizes, which the
-   sanitizers slow down 10-100 times — the same code paths run there at small sizes); the three
-   runs are independent and go side by side, one sanitizer process per test file; the sanitizers
-   check our kernels only (``NOT_OURS`` lists what they skip);
+   sanitizers slow down 10-100 times — the same code paths run there at small sizes); all
+   runs are independent and go side by side, each tool's tests dealt into ``SHARDS`` processes (racecheck leaves out
+   ``large_reference`` tests);
+   only our kernels' errors count (see ``MEMCHECK_SKIP`` and ``RACECHECK_SKIP``);
 3. a report with the GPU, versions, date, pass/fail counts, sanitizer error counts and a hash of
    ``kernels_cu/`` and the kernel wrappers. ``tests/test_gpu_report.py`` (CPU, in CI) fails when
    the hash no longer matches the sources, so a kernel change cannot land unvalidated.
@@ -30,7 +31,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SANITIZER_TIMEOUT_S = 420  # per tool; a run that needs longer fails the gate instead of hanging the machine
+SANITIZER_TIMEOUT_S = 420  # per process; a run that needs longer fails the gate instead of hanging the machine
 REPORT = ROOT / "tests" / "gpu_validation_report.json"
 
 
@@ -73,32 +74,70 @@ def run_pytest(args: list[str], junit: Path, prefix: list[str] = (), env=None,
     return counts, log
 
 
-# Kernels the sanitizers do not instrument: PyTorch's own (ATen), cuBLAS/CUTLASS and cuDNN. They
-# still run; only ours are checked. This keeps the runs minutes long, and racecheck reports hazards
-# inside cuDNN's Hopper attention kernels (asynchronous wgmma/TMA copies it cannot model) that are
-# neither ours nor fixable here.
-NOT_OURS = "regex=at6native|cudnn|cutlass|xmma|nvjet|cublas"
+SANITIZER_MARKERS = "gpu and not cuda_graph and not heavy"
+RACECHECK_MARKERS = SANITIZER_MARKERS + " and not large_reference"
+SHARDS = {"memcheck": 6, "racecheck": 8}  # processes per tool; the sanitizers are bound by the host's cores (16 there)
+# memcheck does not instrument these kernels (they still run): PyTorch's own (ATen), cuBLAS/CUTLASS and
+# cuDNN. That keeps its runs minutes long. racecheck cannot skip them: excluding a cuBLAS kernel from
+# racecheck crashes it ("Internal Sanitizer Error: failed to handle a hardware exception", measured on
+# the H200 with compute-sanitizer of CUDA 13), so racecheck runs everything except cuDNN and the gate
+# counts only the hazards it reports in our kernels (cuBLAS's and cuDNN's Hopper kernels write shared
+# memory through TMA, which racecheck reports as races).
+MEMCHECK_SKIP = ["--kernel-name-exclude", "regex=at6native|cudnn|cutlass|xmma|nvjet|cublas"]
+RACECHECK_SKIP = ["--kernel-name-exclude", "kns=cudnn"]
+RACE = re.compile(r"(Error|Warning): Race reported between \w+ access at (.+?)\+0x[0-9a-f]+[ \t]*\n=+\s+"
+                  r"and \w+ access at (.+?)\+0x[0-9a-f]+")
 
 
-def sanitizer(tool: str, test: str, xml_dir: Path) -> tuple[dict, str]:
-    """One kernel test file under ``compute-sanitizer --tool tool``: ({"tests": counts, "errors": the
-    sanitizer's error count, None if it printed none}, log)."""
+def our_kernels() -> set[str]:
+    """The names of every ``__global__`` function in kernels_cu/."""
+    names = set()
+    for cu in (ROOT / "kernels_cu").glob("*.cu"):
+        names |= set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(", cu.read_text()))
+    return names
+
+
+def sanitizer_errors(tool: str, log: str, ours: set[str]) -> dict:
+    """Errors in one sanitizer log: memcheck's own count; for racecheck the race errors in our kernels
+    (a race between two kernels' names counts if either is ours), with those in other kernels counted
+    apart; any internal sanitizer error counts as an error. ``None`` where the run printed no summary."""
+    internal = log.count("Internal Sanitizer Error")
+    if tool == "memcheck":
+        m = re.findall(r"ERROR SUMMARY: (\d+) error", log)
+        return {"errors": sum(map(int, m)) + internal if m else None}
+    if "RACECHECK SUMMARY" not in log:
+        return {"errors": None, "other_kernels_races": None}
+    is_ours = lambda name: any(k in name for k in ours)  # noqa: E731 (mangled or demangled names)
+    races = [(a, b) for level, a, b in RACE.findall(log) if level == "Error"]
+    mine = sum(1 for a, b in races if is_ours(a) or is_ours(b))
+    return {"errors": mine + internal, "other_kernels_races": len(races) - mine}
+
+
+def collect(tests: list[str], markers: str) -> list[str]:
+    """The ids of the tests in ``tests`` selected by ``markers`` (pytest's collection, no GPU needed)."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-q",
+                        "--collect-only", "-m", markers, *tests], cwd=ROOT, capture_output=True, text=True)
+    return [line for line in r.stdout.splitlines() if "::" in line]
+
+
+def sanitizer(tool: str, test_ids: list[str], xml: Path, ours: set[str]) -> tuple[dict, str]:
+    """``test_ids`` under ``compute-sanitizer --tool tool``: ({"tests": counts, "errors": ...}, log)."""
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", DSV2_BACKEND="cuda")
     prefix = ["compute-sanitizer", f"--tool={tool}", "--target-processes=all", "--error-exitcode=0",
-              "--kernel-name-exclude", NOT_OURS]
-    counts, log = run_pytest([test, "-m", "gpu and not cuda_graph and not heavy"],
-                             xml_dir / f"{tool}_{Path(test).stem}.xml", prefix, env, timeout=SANITIZER_TIMEOUT_S)
-    # memcheck ends "ERROR SUMMARY: N errors", racecheck "RACECHECK SUMMARY: H hazards displayed (N errors, ...)"
-    m = re.findall(r"(?:ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) error)", log)
-    return {"tests": counts, "errors": sum(int(a or b) for a, b in m) if m else None}, log
+              *(MEMCHECK_SKIP if tool == "memcheck" else RACECHECK_SKIP)]
+    counts, log = run_pytest(test_ids, xml, prefix, env, timeout=SANITIZER_TIMEOUT_S)
+    return {"tests": counts, **sanitizer_errors(tool, log, ours)}, log
 
 
 def summed(runs: list[dict]) -> dict:
-    """Per-file sanitizer results -> one: test counts summed, errors summed (None if any run reported none)."""
+    """Per-shard sanitizer results -> one: counts summed (an error count is None if any shard reported none)."""
     tests = {k: sum(r["tests"][k] for r in runs) for k in ("passed", "failed", "skipped", "errors")}
     tests["timed_out"] = any(r["tests"]["timed_out"] for r in runs)
-    errors = [r["errors"] for r in runs]
-    return {"tests": tests, "errors": None if None in errors else sum(errors)}
+    out = {"tests": tests}
+    for key in runs[0].keys() - {"tests"}:
+        values = [r[key] for r in runs]
+        out[key] = None if None in values else sum(values)
+    return out
 
 
 def shared_memory_tests(kernel_tests: list[str]) -> list[str]:
@@ -118,18 +157,23 @@ def main() -> int:
     xml_dir = Path(tempfile.mkdtemp())
     kernel_tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*_gpu.py"))
     racecheck_tests = shared_memory_tests(kernel_tests)
-    jobs = [("memcheck", t) for t in kernel_tests] + [("racecheck", t) for t in racecheck_tests]
-    # Every run is independent and the GPU has room for all: the GPU tests and one sanitizer process
-    # per (tool, test file) go side by side (the sanitizers are bound by the host's cores).
+    ours = our_kernels()
+    jobs = []  # (tool, shard of test ids): the tests selected for a tool, dealt round-robin into SHARDS[tool]
+    for tool, files, markers in (("memcheck", kernel_tests, SANITIZER_MARKERS),
+                                 ("racecheck", racecheck_tests, RACECHECK_MARKERS)):
+        ids = collect(files, markers)
+        jobs += [(tool, ids[i::SHARDS[tool]]) for i in range(min(SHARDS[tool], len(ids)))]
+    # Every run is independent and the GPU has room for all: the GPU tests and the sanitizer shards go
+    # side by side.
     with concurrent.futures.ThreadPoolExecutor(len(jobs) + 1) as pool:
         gpu_run = pool.submit(run_pytest, ["-m", "gpu", "--durations=30", "tests"], xml_dir / "gpu.xml")
-        runs = [pool.submit(sanitizer, tool, t, xml_dir) for tool, t in jobs]
+        runs = [pool.submit(sanitizer, tool, ids, xml_dir / f"{tool}{i}.xml", ours) for i, (tool, ids) in enumerate(jobs)]
         gpu, log = gpu_run.result()
         runs = [r.result() for r in runs]
     (out_dir / "gpu_tests.log").write_text(log)
     for tool in ("memcheck", "racecheck"):
         (out_dir / f"sanitizer_{tool}.log").write_text("".join(
-            f"===== {t}\n{run_log}" for (k, t), (_, run_log) in zip(jobs, runs) if k == tool))
+            f"===== shard {i}\n{run_log}" for i, ((k, _), (_, run_log)) in enumerate(zip(jobs, runs)) if k == tool))
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),

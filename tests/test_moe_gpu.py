@@ -119,7 +119,7 @@ def test_moe_align_one_expert_takes_everything_and_drops_bad_ids():
 # ---- experts --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t", [1, 3, 17, pytest.param(300, marks=pytest.mark.heavy)])
-@pytest.mark.parametrize("shape", ["small", "lite"])
+@pytest.mark.parametrize("shape", ["small", pytest.param("lite", marks=pytest.mark.large_reference)])
 def test_moe_experts_matches_reference(t, dtype, shape):
     s = SMALL if shape == "small" else LITE
     if dtype == torch.float32 and t > moe.FP32_GEMV_MAX_TOKENS:
@@ -133,6 +133,7 @@ def test_moe_experts_matches_reference(t, dtype, shape):
     assert close(moe_experts(x, w, ids, gate_up, down), routed_experts(x, w, ids, gate_up, down), dtype)
 
 
+@pytest.mark.large_reference
 @pytest.mark.parametrize("path", ["gemv", "gemv_per_choice", "mma", "grouped_mm"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_every_path_matches_reference(path, dtype, monkeypatch):
@@ -160,6 +161,7 @@ def test_one_expert_takes_all_tokens(dtype, monkeypatch):
     assert close(moe_experts(x, w, ids, gate_up, down), routed_experts(x, w, ids, gate_up, down), dtype)
 
 
+@pytest.mark.large_reference
 def test_combine_is_deterministic():
     gate_up, down = experts(64, 2048, 1408, torch.bfloat16)
     x = torch.randn(512, 2048, device="cuda").to(torch.bfloat16)
@@ -219,6 +221,7 @@ def test_moe_gemv_items_match_reference(t, k, e):
     assert torch.equal(items[: 3 * n].view(-1, 3), want_items)
 
 
+@pytest.mark.large_reference
 @pytest.mark.parametrize("warps,cols", [(8, 1), (4, 1), (8, 2), (4, 4), (3, 2)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_grouped_gemv_variants_match_reference(warps, cols, dtype, monkeypatch):
@@ -246,25 +249,26 @@ def lite_layer(dtype, h=2048, i=1408, **kw):
     return layer
 
 
+@pytest.mark.parametrize("size", [pytest.param("lite", marks=pytest.mark.large_reference), "small"])
 @pytest.mark.parametrize("in_router", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_moe_decode_matches_unfused_layer(in_router, dtype, monkeypatch):
+def test_moe_decode_matches_unfused_layer(size, in_router, dtype, monkeypatch):
     """moe_decode (router + items + shared experts inside the GEMV launches) == router, experts, shared MLP
     computed separately, and == the reference; the routing itself is bit-identical to topk_softmax."""
     monkeypatch.setattr(moe, "SHARED_IN_ROUTER", in_router)
     monkeypatch.setattr(moe, "GEMV_MAX_TOKENS", 64)
-    for layer in (lite_layer(dtype), lite_layer(dtype, h=512, i=96, n_shared_experts=3)):
-        sh = layer.shared_experts
-        for t in (1, 5, 32, 64):
-            x = torch.randn(t, layer.cfg.hidden_size, device="cuda").to(dtype)
-            logits = torch.nn.functional.linear(x.float(), layer.gate.weight)
-            assert moe._decode_applies(x, layer.cfg, (sh.gate_up_proj.weight, sh.down_proj.weight))
-            got = moe.moe_decode(x, logits, layer.cfg, layer.experts.gate_up_proj, layer.experts.down_proj,
-                                 (sh.gate_up_proj.weight, sh.down_proj.weight))
-            w, ids = topk_softmax(logits, layer.cfg)
-            want = routed_experts(x, w, ids, layer.experts.gate_up_proj, layer.experts.down_proj) + sh(x)
-            assert close(got, want, dtype)
-            assert close(layer(x), want, dtype)
+    layer = lite_layer(dtype) if size == "lite" else lite_layer(dtype, h=512, i=96, n_shared_experts=3)
+    sh = layer.shared_experts
+    for t in (1, 5, 32, 64):
+        x = torch.randn(t, layer.cfg.hidden_size, device="cuda").to(dtype)
+        logits = torch.nn.functional.linear(x.float(), layer.gate.weight)
+        assert moe._decode_applies(x, layer.cfg, (sh.gate_up_proj.weight, sh.down_proj.weight))
+        got = moe.moe_decode(x, logits, layer.cfg, layer.experts.gate_up_proj, layer.experts.down_proj,
+                             (sh.gate_up_proj.weight, sh.down_proj.weight))
+        w, ids = topk_softmax(logits, layer.cfg)
+        want = routed_experts(x, w, ids, layer.experts.gate_up_proj, layer.experts.down_proj) + sh(x)
+        assert close(got, want, dtype)
+        assert close(layer(x), want, dtype)
 
 
 def test_moe_decode_group_limited_and_no_shared_experts(monkeypatch):
@@ -285,6 +289,7 @@ def test_moe_decode_group_limited_and_no_shared_experts(monkeypatch):
         assert close(got, want, torch.bfloat16)
 
 
+@pytest.mark.large_reference
 def test_moe_decode_is_deterministic():
     layer = lite_layer(torch.bfloat16)
     x = torch.randn(4, 2048, device="cuda").to(torch.bfloat16)
@@ -294,6 +299,7 @@ def test_moe_decode_is_deterministic():
 
 
 # ---- the layer ------------------------------------------------------------------------------------
+@pytest.mark.large_reference
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_moe_layer_kernels_match_reference(dtype, monkeypatch):
     cfg = dataclasses.replace(TINY, n_routed_experts=64, num_experts_per_tok=6, hidden_size=512, moe_intermediate_size=128)

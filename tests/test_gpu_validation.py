@@ -1,0 +1,53 @@
+"""The GPU gate's bookkeeping, on the CPU: which kernels are ours, which sanitizer errors count."""
+from gpu_validation import SANITIZER_MARKERS, collect, our_kernels, sanitizer_errors, summed
+
+VENDOR_RACE = """\
+....========= Error: Race reported between Read access at nvjet_sm90_hsh_64x8_64x16_4x1_v_bz_TNT+0xb00
+=========     and Write access at nvjet_sm90_hsh_64x8_64x16_4x1_v_bz_TNT+0x2820 [176 hazards]
+=========
+"""
+OUR_RACE = """\
+========= Error: Race reported between Write access at void mla_decode_split<__nv_bfloat16, 512, 64, 2, false>(float *)+0x1f0
+=========     and Read access at void mla_decode_split<__nv_bfloat16, 512, 64, 2, false>(float *)+0x2a0 [32 hazards]
+=========
+========= Warning: Race reported between Read access at rms_norm_kernel+0x10
+=========     and Write access at rms_norm_kernel+0x20 [2 hazards]
+"""
+SUMMARY = "========= RACECHECK SUMMARY: 3 hazards displayed (2 errors, 1 warnings)\n"
+
+
+def test_our_kernels_are_found_in_kernels_cu():
+    ours = our_kernels()
+    assert {"mla_decode_split", "mla_decode_combine", "write_cache_rows", "topk_softmax", "moe_align"} <= ours
+    assert not any(n.startswith("nvjet") or "cudnn" in n for n in ours)
+
+
+def test_racecheck_counts_only_races_in_our_kernels():
+    ours = {"mla_decode_split", "rms_norm_kernel"}
+    assert sanitizer_errors("racecheck", VENDOR_RACE + SUMMARY, ours) == {"errors": 0, "other_kernels_races": 1}
+    # the warning is not an error; our error is
+    assert sanitizer_errors("racecheck", VENDOR_RACE + OUR_RACE + SUMMARY, ours) == {"errors": 1, "other_kernels_races": 1}
+
+
+def test_a_crashed_or_cut_run_is_never_clean():
+    crash = "========= Internal Sanitizer Error: The Sanitizer failed to handle a hardware exception.\n" + SUMMARY
+    assert sanitizer_errors("racecheck", crash, set())["errors"] == 1
+    assert sanitizer_errors("racecheck", "....", set())["errors"] is None  # killed before its summary
+    assert sanitizer_errors("memcheck", "....", set())["errors"] is None
+    assert sanitizer_errors("memcheck", "========= ERROR SUMMARY: 0 errors\n", set())["errors"] == 0
+    assert sanitizer_errors("memcheck", "========= ERROR SUMMARY: 2 errors\n" + crash, set())["errors"] == 3
+
+
+def test_shards_are_summed_and_a_missing_count_stays_missing():
+    def shard(passed, errors, timed_out=False):
+        return {"tests": {"passed": passed, "failed": 0, "skipped": 0, "errors": 0, "timed_out": timed_out},
+                "errors": errors, "other_kernels_races": 0}
+    total = summed([shard(3, 0), shard(4, 1)])
+    assert total["tests"]["passed"] == 7 and total["errors"] == 1 and not total["tests"]["timed_out"]
+    assert summed([shard(3, 0), shard(0, None, timed_out=True)])["errors"] is None
+
+
+def test_collect_lists_the_sanitizer_tests_without_a_gpu():
+    ids = collect(["tests/test_cache_write_gpu.py"], SANITIZER_MARKERS)
+    assert ids and all(i.startswith("tests/test_cache_write_gpu.py::") for i in ids)
+    assert not any("cuda_graph" in i for i in ids)  # the capture test is marked cuda_graph
