@@ -37,7 +37,7 @@ DEFAULT_STAGES = 2
 FUSED_MAX_SPLITS = 2
 SHAPES = ((512, 64), (64, 16))  # (kv_lora_rank, rope dim) compiled: DeepSeek-V2(-Lite), the tiny model
 MIN_TILES_PER_SPLIT = 4  # a split streams at least 4 × 32 rows (amortises its query load and partial write)
-COMBINE_WARPS = 8
+COMBINE_WARPS, COMBINE_COLS = 8, 64  # kernels_cu/mla_decode.cu: block and output columns of mla_decode_combine
 MLA_DECODE_CU = kernels.declare(
     "mla_decode.cu",
     [f"mla_decode_split<{t}, {dl}, {dr}, {s}, {p}>" for t in ("__half", "__nv_bfloat16") for dl, dr in SHAPES
@@ -219,7 +219,7 @@ def _launch(query, cache, slots_ptr, lengths_t, max_length, scale, kv_lora_rank,
     kernels.launch(kernel, grid, (WARPS * 32,), (kernels.ptr(o_part), kernels.ptr(lse), np.uint64(0)) + common_nc,
                    shared_mem=smem)
     combine = MLA_DECODE_CU.function("mla_decode_combine", cache.device)
-    kernels.launch(combine, (-(-kv_lora_rank // 128), H, B), (COMBINE_WARPS * 32,),
+    kernels.launch(combine, (-(-kv_lora_rank // COMBINE_COLS), H, B), (COMBINE_WARPS * 32,),
                    (kernels.ptr(out), kernels.ptr(o_part), kernels.ptr(lse), np.int32(splits), np.int32(kv_lora_rank)))
     return out
 

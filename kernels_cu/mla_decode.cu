@@ -348,11 +348,15 @@ __global__ void __launch_bounds__(mla::THREADS) mla_decode_split(
     }
 }
 
-// Merge the splits of each (entry, head): grid (ceil(DL / 128), H, B), 256 threads. Warp w sums
-// the splits w, w+8, ... for 128 columns (a float4 per lane); the 8 warps' sums meet in shared
-// memory. out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s; all splits empty
-// (M = -inf) gives zeros.
+// Merge the splits of each (entry, head): grid (ceil(DL / 64), H, B), 256 threads: for B = 1 and
+// 16 heads that is 128 blocks, about one per SM, since at batch 1 the partials (splits x 16 x 512
+// fp32) are a tenth of the bytes the split kernel read and must stream as fast. Every warp first
+// finds M = max_s lse_s with its lanes striding over the splits and a shuffle reduction (a serial
+// loop over hundreds of splits would cost microseconds); then warp w sums the splits w, w+8, ...
+// for 64 columns (a float2 per lane) and the 8 warps' sums meet in shared memory.
+// out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M); all splits empty (M = -inf) gives zeros.
 constexpr int COMBINE_WARPS = 8;
+constexpr int COMBINE_COLS = 64;
 __global__ void __launch_bounds__(COMBINE_WARPS * 32) mla_decode_combine(
     float* __restrict__ out, const float* __restrict__ o_part, const float* __restrict__ lse, int splits, int dl) {
     const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
@@ -360,35 +364,37 @@ __global__ void __launch_bounds__(COMBINE_WARPS * 32) mla_decode_combine(
     const long long row = (long long)b * H + h;
     const float* L = lse + row * splits;
     float M = minus_inf();
-    for (int s = 0; s < splits; ++s) M = fmaxf(M, L[s]);
-    const int c = blockIdx.x * 128 + lane * 4;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = lane; s < splits; s += 32) M = fmaxf(M, L[s]);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, offset));
+    const int c = blockIdx.x * COMBINE_COLS + lane * 2;
+    float2 acc = make_float2(0.f, 0.f);
     float den = 0.f;
     if (M != minus_inf()) {
+#pragma unroll 4
         for (int s = warp; s < splits; s += COMBINE_WARPS) {
             const float w = exp2f(L[s] - M);  // an empty split: exp2(-inf) = 0
             den += w;
             if (c < dl) {
-                const float4 v = *reinterpret_cast<const float4*>(o_part + (row * splits + s) * dl + c);
-                acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+                const float2 v = *reinterpret_cast<const float2*>(o_part + (row * splits + s) * dl + c);
+                acc.x += w * v.x; acc.y += w * v.y;
             }
         }
     }
-    __shared__ float4 sacc[COMBINE_WARPS][32];
+    __shared__ float2 sacc[COMBINE_WARPS][32];
     __shared__ float sden[COMBINE_WARPS];
     sacc[warp][lane] = acc;
     if (lane == 0) sden[warp] = den;
     __syncthreads();
     if (warp == 0 && c < dl) {
-        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+        float2 sum = make_float2(0.f, 0.f);
         float d = 0.f;
 #pragma unroll
         for (int w = 0; w < COMBINE_WARPS; ++w) {
-            const float4 v = sacc[w][lane];
-            sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
+            sum.x += sacc[w][lane].x; sum.y += sacc[w][lane].y;
             d += sden[w];
         }
         const float r = d > 0.f ? 1.f / d : 0.f;
-        *reinterpret_cast<float4*>(out + row * dl + c) = make_float4(sum.x * r, sum.y * r, sum.z * r, sum.w * r);
+        *reinterpret_cast<float2*>(out + row * dl + c) = make_float2(sum.x * r, sum.y * r);
     }
 }
