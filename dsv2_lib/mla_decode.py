@@ -37,11 +37,14 @@ DEFAULT_STAGES = 2
 FUSED_MAX_SPLITS = 2
 SHAPES = ((512, 64), (64, 16))  # (kv_lora_rank, rope dim) compiled: DeepSeek-V2(-Lite), the tiny model
 MIN_TILES_PER_SPLIT = 4  # a split streams at least 4 × 32 rows (amortises its query load and partial write)
+SCHEDULES = ("balanced", "uniform")  # mla_decode_paged: tiles dealt evenly over a wave of workers, or chunks per entry
 COMBINE_WARPS, COMBINE_COLS = 8, 64  # kernels_cu/mla_decode.cu: block and output columns of mla_decode_combine
 MLA_DECODE_CU = kernels.declare(
     "mla_decode.cu",
     [f"mla_decode_split<{t}, {dl}, {dr}, {s}, {p}>" for t in ("__half", "__nv_bfloat16") for dl, dr in SHAPES
-     for s in STAGES for p in ("false", "true")] + ["mla_decode_combine"],
+     for s in STAGES for p in ("false", "true")] + ["mla_decode_combine"]
+    + [f"mla_decode_balanced<{t}, {dl}, {dr}, {s}, true>" for t in ("__half", "__nv_bfloat16") for dl, dr in SHAPES
+       for s in STAGES] + ["mla_decode_schedule", "mla_decode_combine_balanced"],
 )
 
 
@@ -99,6 +102,33 @@ def mla_decode_splits(batch_size: int, heads: int, max_length: int, blocks_per_w
     return -(-tiles // chunk_tiles), chunk_tiles * TILE
 
 
+def balanced_schedule(lengths: Sequence[int], workers: int, min_tiles: int = MIN_TILES_PER_SPLIT) -> tuple[int, list[int]]:
+    """The balanced split-KV schedule (``mla_decode_schedule`` in the kernel file), on the host:
+    ``(per, first)`` with ``first[b]`` entry ``b``'s first global 32-row tile, ``first[B]`` the total,
+    and ``per`` the tiles each of ``workers`` workers takes (at least ``min_tiles``; at least 1).
+    ``lengths`` are the effective ones (clamped; 0 for an entry with nothing to attend over)."""
+    first = [0]
+    for n in lengths:
+        first.append(first[-1] + (-(-n // TILE) if n > 0 else 0))
+    return max(min_tiles, 1, -(-first[-1] // workers)), first
+
+
+def balanced_segments(per: int, first: Sequence[int], workers: int) -> list[tuple[int, int, int, int, int | None]]:
+    """Every segment of the balanced schedule, as ``mla_decode_balanced`` walks them:
+    ``(worker, entry, first tile, end tile, slot)`` with tiles counted from the entry's start and
+    ``slot = worker + entry`` for a partial segment (``None``: the segment is the whole entry, whose
+    result goes straight to the output). Worker ``i`` takes global tiles ``[i·per, (i+1)·per)``."""
+    segments, B = [], len(first) - 1
+    for i in range(workers):
+        a0, a1 = i * per, min((i + 1) * per, first[B])
+        for b in range(B):
+            e0, e1 = first[b], first[b + 1]
+            s0, s1 = max(a0, e0), min(a1, e1)
+            if s0 < s1:
+                segments.append((i, b, s0 - e0, s1 - e0, None if (s0, s1) == (e0, e1) else i + b))
+    return segments
+
+
 def mla_decode_workspace(batch_size: int, heads: int, splits: int, kv_lora_rank: int,
                          device: torch.device | str) -> torch.Tensor:
     """fp32 scratch for the split-KV partials: ``B·h·splits·(kv_lora_rank + 1)`` values (o, then lse).
@@ -154,18 +184,10 @@ def _launch(query, cache, slots_ptr, lengths_t, max_length, scale, kv_lora_rank,
         num_splits = d_splits if num_splits is None else num_splits
         stages = d_stages if stages is None else stages
         fused = d_fused if fused is None else fused
-    stages = DEFAULT_STAGES if stages is None else stages
-    if stages not in STAGES:
-        raise ValueError(f"mla_decode: stages must be one of {STAGES}, got {stages}")
-    if out is None:
-        out = torch.empty(B, H, kv_lora_rank, dtype=torch.float32, device=cache.device)
-    kernels.check(out, "mla_decode out", dtype=torch.float32, shape=(B, H, kv_lora_rank), device=cache.device)
-    if not kernels.aligned16(out):
-        raise ValueError("mla_decode out: must start on a 16-byte boundary")
+    stages = _checked_stages(stages)
+    out = _out_buffer(out, B, H, kv_lora_rank, cache.device)
     if B == 0 or H == 0:
         return out
-    if B > 65535:
-        raise ValueError(f"mla_decode: batch {B} exceeds the grid's 65535 entries")
     kernel = MLA_DECODE_CU.function(f"mla_decode_split<{CUDA_TYPE[cache.dtype]}, {kv_lora_rank}, {D - kv_lora_rank}, "
                                     f"{stages}, {'true' if paged else 'false'}>", cache.device)
     smem = _shared_bytes(stages, D, cache.dtype)
@@ -224,6 +246,76 @@ def _launch(query, cache, slots_ptr, lengths_t, max_length, scale, kv_lora_rank,
     return out
 
 
+def _checked_stages(stages: int | None) -> int:
+    stages = DEFAULT_STAGES if stages is None else stages
+    if stages not in STAGES:
+        raise ValueError(f"mla_decode: stages must be one of {STAGES}, got {stages}")
+    return stages
+
+
+def _out_buffer(out: torch.Tensor | None, B: int, H: int, kv_lora_rank: int, device) -> torch.Tensor:
+    """``out`` checked (fp32 ``[B, H, kv_lora_rank]``, 16-byte aligned), or a new one; the batch fits the grid."""
+    if B > 65535:
+        raise ValueError(f"mla_decode: batch {B} exceeds the grid's 65535 entries")
+    if out is None:
+        out = torch.empty(B, H, kv_lora_rank, dtype=torch.float32, device=device)
+    kernels.check(out, "mla_decode out", dtype=torch.float32, shape=(B, H, kv_lora_rank), device=device)
+    if not kernels.aligned16(out):
+        raise ValueError("mla_decode out: must start on a 16-byte boundary")
+    return out
+
+
+def _launch_balanced(query, cache, lengths_t, max_length, scale, kv_lora_rank, out, workspace, stages, table,
+                     block_size):
+    """The balanced schedule over a paged cache (checked inputs): schedule kernel, workers, combine."""
+    B, H, D = query.shape
+    stages = _checked_stages(stages)
+    out = _out_buffer(out, B, H, kv_lora_rank, cache.device)
+    if B == 0 or H == 0:
+        return out
+    ct = CUDA_TYPE[cache.dtype]
+    kernel = MLA_DECODE_CU.function(f"mla_decode_balanced<{ct}, {kv_lora_rank}, {D - kv_lora_rank}, {stages}, true>",
+                                    cache.device)
+    smem = _shared_bytes(stages, D, cache.dtype)
+    groups = -(-H // HEADS_PER_BLOCK)
+    workers = max(1, _blocks_per_wave(kernel, smem, cache.device) // groups)  # one wave of blocks in all
+    sched = mla_decode_schedule(lengths_t, max_length, workers)
+    slots = B + workers - 1  # partial results: slot worker + entry (see the kernel file)
+    need = slots * H * (kv_lora_rank + 1)
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=cache.device)
+    kernels.check(workspace, "mla_decode workspace", dtype=torch.float32, device=cache.device)
+    if workspace.numel() < need or not kernels.aligned16(workspace):
+        raise ValueError(f"mla_decode workspace: {workspace.numel()} values, the balanced schedule needs {need} "
+                         f"(batch {B}, {H} heads, {workers} workers, kv_lora_rank {kv_lora_rank}), 16-byte aligned")
+    o_part, lse = workspace[: slots * H * kv_lora_rank], workspace[slots * H * kv_lora_rank : need]
+    kernels.launch(kernel, (workers, 1, groups), (WARPS * 32,),
+                   (kernels.ptr(o_part), kernels.ptr(lse), kernels.ptr(out), kernels.ptr(query), kernels.ptr(cache),
+                    np.uint64(0), kernels.ptr(lengths_t), kernels.ptr(sched), np.int32(B), np.int32(H), np.int32(0),
+                    np.int32(0), np.int32(max_length), np.float32(scale * 1.4426950408889634), kernels.ptr(table),
+                    np.int32(table.shape[1]), np.int32(block_size), np.int64(cache.shape[0])), shared_mem=smem)
+    kernels.launch(MLA_DECODE_CU.function("mla_decode_combine_balanced", cache.device),
+                   (-(-kv_lora_rank // COMBINE_COLS), H, B), (COMBINE_WARPS * 32,),
+                   (kernels.ptr(out), kernels.ptr(o_part), kernels.ptr(lse), kernels.ptr(sched), np.int32(kv_lora_rank)))
+    return out
+
+
+def mla_decode_schedule(lengths: torch.Tensor, max_length: int, workers: int,
+                        min_tiles: int = MIN_TILES_PER_SPLIT) -> torch.Tensor:
+    """The balanced schedule of a paged batch, computed on the GPU (no host sync): int32 ``[B + 2]`` =
+    ``[per, first[0], ..., first[B]]`` as :func:`balanced_schedule` computes it on the host, from
+    ``lengths`` (int32 ``[B]`` on the GPU) clamped to ``max_length``."""
+    kernels.check(lengths, "mla_decode_schedule lengths", dtype=torch.int32, shape=(None,))
+    B = lengths.shape[0]
+    if workers < 1:
+        raise ValueError(f"mla_decode_schedule: workers must be >= 1, got {workers}")
+    sched = torch.empty(B + 2, dtype=torch.int32, device=lengths.device)
+    kernels.launch(MLA_DECODE_CU.function("mla_decode_schedule", lengths.device), (1,), (1024,),
+                   (kernels.ptr(sched), kernels.ptr(lengths), np.uint64(0), np.int32(B), np.int32(0),
+                    np.int32(max_length), np.int32(workers), np.int32(min_tiles)))
+    return sched
+
+
 def mla_decode_paged_reference(query: torch.Tensor, cache: torch.Tensor, block_table, lengths, block_size: int,
                                scale: float, kv_lora_rank: int) -> torch.Tensor:
     """:func:`mla_decode_reference` over a paged cache ``[num_rows, D]``: entry ``b``'s position ``p`` is row
@@ -249,7 +341,7 @@ def mla_decode_paged(query: torch.Tensor, cache: torch.Tensor, block_table: torc
                      max_length: int | None = None, out: torch.Tensor | None = None,
                      workspace: torch.Tensor | None = None, num_splits: int | None = None,
                      stages: int | None = None, fused: bool | None = None,
-                     counters: torch.Tensor | None = None) -> torch.Tensor:
+                     counters: torch.Tensor | None = None, schedule: str = "balanced") -> torch.Tensor:
     """:func:`mla_decode` over one layer of the paged cache (chapter 13): ``cache [num_rows, D]`` flat, and
     entry ``b`` attends over its positions ``0 .. lengths[b]-1``, position ``p`` read from row
     ``block_table[b][p // block_size] * block_size + p % block_size`` — no gather copy.
@@ -261,7 +353,14 @@ def mla_decode_paged(query: torch.Tensor, cache: torch.Tensor, block_table: torc
     device tensor with ``max_length`` (then each length is clamped to it). The other arguments are
     :func:`mla_decode`'s; the kernel is the same instantiation with ``PAGED = true``, so on the same
     rows, splits and depth its results equal the contiguous kernel's bit for bit.
+
+    ``schedule``: ``"balanced"`` (default) deals the batch's 32-row tiles evenly over one wave of
+    blocks, the schedule computed on the GPU from the lengths (:func:`mla_decode_schedule`), so mixed
+    lengths keep every SM busy and a CUDA graph needs no host bound tighter than the table's; then
+    ``num_splits``, ``fused`` and ``counters`` do not apply. ``"uniform"``: :func:`mla_decode`'s splits.
     """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"mla_decode_paged: schedule must be one of {SCHEDULES}, got {schedule!r}")
     if not kernels.use_kernels(query) or not _kernel_applies(cache, kv_lora_rank) or cache.dim() != 2:
         return mla_decode_paged_reference(query, cache, block_table, lengths, block_size, scale, kv_lora_rank)
     kernels.check(cache, "mla_decode_paged cache", shape=(None, None))
@@ -305,6 +404,11 @@ def mla_decode_paged(query: torch.Tensor, cache: torch.Tensor, block_table: torc
     if not 1 <= max_length <= capacity:
         raise ValueError(f"mla_decode_paged: max_length {max_length} outside 1..{capacity} "
                          f"({width} blocks of {block_size} rows)")
+    if schedule == "balanced":
+        if (num_splits, fused, counters) != (None, None, None):
+            raise ValueError("mla_decode_paged: num_splits, fused and counters are for schedule='uniform'")
+        return _launch_balanced(query, cache, lengths_t, int(max_length), scale, kv_lora_rank, out, workspace, stages,
+                                block_table, block_size)
     return _launch(query, cache, np.uint64(0), lengths_t, int(max_length), scale, kv_lora_rank, out, workspace,
                    num_splits, stages, fused, counters, (0, 0), (block_table, block_size))
 

@@ -75,22 +75,16 @@ constexpr int THREADS = WARPS * 32;
 constexpr int TILE = 32;   // cache rows per pipeline stage
 }  // namespace mla
 
-// Dynamic shared memory of mla_decode_split<T, DL, DR, STAGES> (keep in sync with mla_decode.py):
-//   STAGES * TILE rows of PITCH = D + 8 elements (the 16-byte pad puts the 8 rows an ldmatrix
-//   reads in 8 different bank groups), then WARPS x 16 x 32 fp32 partial scores.
+// Attend rows [t_begin, t_end) of entry b (t_end <= its length) with heads h0 .. h0+15 and write
+// head h's normalised o = O / l to o_dst + h * o_stride (DL fp32) and, if lse_dst is not nullptr,
+// lse = m + log2(l) to lse_dst[h * lse_stride]. `rows` is the entry's slot (contiguous) or the whole
+// paged cache with `table` the entry's block-table row. Called by every thread of the block with
+// the same arguments; a block may call it several times (the balanced schedule does).
 template <typename T, int DL, int DR, int STAGES, bool PAGED>
-__global__ void __launch_bounds__(mla::THREADS) mla_decode_split(
-    float* __restrict__ o_part,       // [B, H, splits, DL]; == out [B, H, DL] when splits == 1
-    float* __restrict__ lse_part,     // [B, H, splits], or nullptr when splits == 1
-    float* __restrict__ final_out,    // [B, H, DL]: written by the fused combine (counters != nullptr)
-    const T* __restrict__ q,          // [B, H, D]
-    const T* __restrict__ cache,      // [num_slots, max_len, D]; PAGED: [num_rows, D]
-    const int* __restrict__ slots,    // [B]
-    const int* __restrict__ lengths,  // [B]
-    int* __restrict__ counters,       // [B, head groups] tickets (all 0) for the fused combine, or nullptr
-    int H, int num_slots, int max_len, int max_length, int chunk, float scale_log2,
-    const int* __restrict__ block_table,  // PAGED: [B, table_width]; else unused (nullptr)
-    int table_width, int block_size, long long num_rows) {
+__device__ __forceinline__ void attend_rows(
+    float* o_dst, long long o_stride, float* lse_dst, long long lse_stride, const T* __restrict__ q,
+    const T* __restrict__ rows, const int* __restrict__ table, int table_width, int block_size, long long num_rows,
+    int b, int h0, int H, int t_begin, int t_end, float scale_log2) {
     using namespace mla;
     constexpr int D = DL + DR, PITCH = D + 8;
     constexpr int KS = D / 16;                 // k-steps of the score product
@@ -104,21 +98,10 @@ __global__ void __launch_bounds__(mla::THREADS) mla_decode_split(
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sk = reinterpret_cast<T*>(smem_raw);                                      // [STAGES][TILE][PITCH]
     float* ss = reinterpret_cast<float*>(smem_raw + sizeof(T) * STAGES * TILE * PITCH);  // [WARPS][NT_S*4][32]
-
-    const int split = blockIdx.x, b = blockIdx.y, h0 = blockIdx.z * HEADS, splits = gridDim.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 
-    int len = min(lengths[b], max_length);
-    int slot = 0;
-    if constexpr (!PAGED) {
-        slot = slots[b];
-        if (slot < 0 || slot >= num_slots) len = 0;
-    }
-    const int t_begin = split * chunk;
-    const int t_end = min(len, t_begin + chunk);
     const int ntiles = t_end > t_begin ? (t_end - t_begin + TILE - 1) / TILE : 0;
-    const T* rows = PAGED ? cache : cache + (long long)(ntiles > 0 ? slot : 0) * max_len * D;
-    const int* table = PAGED ? block_table + (long long)b * table_width : nullptr;
+    __syncthreads();  // the shared buffers of a previous call on this block are free
 
     // Stage tile `it` of this chunk into buffer `buf`: 32 rows x D/8 vectors, 128 threads.
     auto load_tile = [&](int it, int buf) {
@@ -283,19 +266,51 @@ __global__ void __launch_bounds__(mla::THREADS) mla_decode_split(
 #pragma unroll
     for (int n = 0; n < NT_O; ++n) {
         const int col = warp * COLS + 8 * n + 2 * t;
-        if (hA < H) {
-            float2 v = make_float2(o[n][0] * inv0, o[n][1] * inv0);
-            *reinterpret_cast<float2*>(o_part + (((long long)b * H + hA) * splits + split) * DL + col) = v;
-        }
-        if (hB < H) {
-            float2 v = make_float2(o[n][2] * inv1, o[n][3] * inv1);
-            *reinterpret_cast<float2*>(o_part + (((long long)b * H + hB) * splits + split) * DL + col) = v;
-        }
+        if (hA < H) *reinterpret_cast<float2*>(o_dst + hA * o_stride + col) = make_float2(o[n][0] * inv0, o[n][1] * inv0);
+        if (hB < H) *reinterpret_cast<float2*>(o_dst + hB * o_stride + col) = make_float2(o[n][2] * inv1, o[n][3] * inv1);
     }
-    if (lse_part != nullptr && warp == 0 && t == 0) {
-        if (hA < H) lse_part[((long long)b * H + hA) * splits + split] = l0 > 0.f ? m0 + log2f(l0) : minus_inf();
-        if (hB < H) lse_part[((long long)b * H + hB) * splits + split] = l1 > 0.f ? m1 + log2f(l1) : minus_inf();
+    if (lse_dst != nullptr && warp == 0 && t == 0) {
+        if (hA < H) lse_dst[hA * lse_stride] = l0 > 0.f ? m0 + log2f(l0) : minus_inf();
+        if (hB < H) lse_dst[hB * lse_stride] = l1 > 0.f ? m1 + log2f(l1) : minus_inf();
     }
+}
+
+// Dynamic shared memory of mla_decode_split / mla_decode_balanced<T, DL, DR, STAGES> (keep in sync
+// with mla_decode.py): STAGES * TILE rows of PITCH = D + 8 elements (the 16-byte pad puts the 8 rows
+// an ldmatrix reads in 8 different bank groups), then WARPS x 16 x 32 fp32 partial scores.
+//
+// Uniform split-KV: block (split, b, head group) attends chunk [split * chunk, (split + 1) * chunk)
+// of entry b's context.
+template <typename T, int DL, int DR, int STAGES, bool PAGED>
+__global__ void __launch_bounds__(mla::THREADS) mla_decode_split(
+    float* __restrict__ o_part,       // [B, H, splits, DL]; == out [B, H, DL] when splits == 1
+    float* __restrict__ lse_part,     // [B, H, splits], or nullptr when splits == 1
+    float* __restrict__ final_out,    // [B, H, DL]: written by the fused combine (counters != nullptr)
+    const T* __restrict__ q,          // [B, H, D]
+    const T* __restrict__ cache,      // [num_slots, max_len, D]; PAGED: [num_rows, D]
+    const int* __restrict__ slots,    // [B]
+    const int* __restrict__ lengths,  // [B]
+    int* __restrict__ counters,       // [B, head groups] tickets (all 0) for the fused combine, or nullptr
+    int H, int num_slots, int max_len, int max_length, int chunk, float scale_log2,
+    const int* __restrict__ block_table,  // PAGED: [B, table_width]; else unused (nullptr)
+    int table_width, int block_size, long long num_rows) {
+    using namespace mla;
+    constexpr int D = DL + DR;
+    const int split = blockIdx.x, b = blockIdx.y, h0 = blockIdx.z * HEADS, splits = gridDim.x;
+    int len = min(lengths[b], max_length);
+    int slot = 0;
+    if constexpr (!PAGED) {
+        slot = slots[b];
+        if (slot < 0 || slot >= num_slots) len = 0;
+    }
+    const int t_begin = split * chunk;
+    const int t_end = min(len, t_begin + chunk);
+    const T* rows = PAGED || t_end <= t_begin ? cache : cache + (long long)slot * max_len * D;
+    attend_rows<T, DL, DR, STAGES, PAGED>(
+        o_part + ((long long)b * H * splits + split) * DL, (long long)splits * DL,
+        lse_part == nullptr ? nullptr : lse_part + (long long)b * H * splits + split, splits, q, rows,
+        PAGED ? block_table + (long long)b * table_width : nullptr, table_width, block_size, num_rows,
+        b, h0, H, t_begin, t_end, scale_log2);
     if (counters == nullptr || lse_part == nullptr) return;
 
     // ---- fused combine: the last block of (entry, head group) to finish merges all its splits ------
@@ -348,23 +363,21 @@ __global__ void __launch_bounds__(mla::THREADS) mla_decode_split(
     }
 }
 
-// Merge the splits of each (entry, head): grid (ceil(DL / 64), H, B), 256 threads: for B = 1 and
-// 16 heads that is 128 blocks, about one per SM, since at batch 1 the partials (splits x 16 x 512
-// fp32) are a tenth of the bytes the split kernel read and must stream as fast. Every warp first
-// finds M = max_s lse_s with its lanes striding over the splits and a shuffle reduction (a serial
-// loop over hundreds of splits would cost microseconds); then warp w sums the splits w, w+8, ...
-// for 64 columns (a float2 per lane) and the 8 warps' sums meet in shared memory.
-// out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M); all splits empty (M = -inf) gives zeros.
+// Merge `count` partial results of one (entry, head) into out_row: partial s is o_first + s * o_stride
+// (DL fp32) with lse lse_first[s * lse_stride]. Block of COMBINE_WARPS warps, COMBINE_COLS columns
+// (blockIdx.x picks them). Every warp first finds M = max_s lse_s with its lanes striding over the
+// partials and a shuffle reduction (a serial loop over hundreds of them would cost microseconds);
+// then warp w sums the partials w, w+8, ... for 64 columns (a float2 per lane) and the 8 warps'
+// sums meet in shared memory. out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M); all partials
+// empty (M = -inf) gives zeros. The order of the sums is fixed: the result is deterministic.
 constexpr int COMBINE_WARPS = 8;
 constexpr int COMBINE_COLS = 64;
-__global__ void __launch_bounds__(COMBINE_WARPS * 32) mla_decode_combine(
-    float* __restrict__ out, const float* __restrict__ o_part, const float* __restrict__ lse, int splits, int dl) {
-    const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+__device__ __forceinline__ void merge_partials(float* __restrict__ out_row, const float* __restrict__ o_first,
+                                               long long o_stride, const float* __restrict__ lse_first,
+                                               long long lse_stride, int count, int dl) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const long long row = (long long)b * H + h;
-    const float* L = lse + row * splits;
     float M = minus_inf();
-    for (int s = lane; s < splits; s += 32) M = fmaxf(M, L[s]);
+    for (int s = lane; s < count; s += 32) M = fmaxf(M, lse_first[s * lse_stride]);
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, offset));
     const int c = blockIdx.x * COMBINE_COLS + lane * 2;
@@ -372,11 +385,11 @@ __global__ void __launch_bounds__(COMBINE_WARPS * 32) mla_decode_combine(
     float den = 0.f;
     if (M != minus_inf()) {
 #pragma unroll 4
-        for (int s = warp; s < splits; s += COMBINE_WARPS) {
-            const float w = exp2f(L[s] - M);  // an empty split: exp2(-inf) = 0
+        for (int s = warp; s < count; s += COMBINE_WARPS) {
+            const float w = exp2f(lse_first[s * lse_stride] - M);  // an empty partial: exp2(-inf) = 0
             den += w;
             if (c < dl) {
-                const float2 v = *reinterpret_cast<const float2*>(o_part + (row * splits + s) * dl + c);
+                const float2 v = *reinterpret_cast<const float2*>(o_first + s * o_stride + c);
                 acc.x += w * v.x; acc.y += w * v.y;
             }
         }
@@ -395,6 +408,133 @@ __global__ void __launch_bounds__(COMBINE_WARPS * 32) mla_decode_combine(
             d += sden[w];
         }
         const float r = d > 0.f ? 1.f / d : 0.f;
-        *reinterpret_cast<float2*>(out + row * dl + c) = make_float2(sum.x * r, sum.y * r);
+        *reinterpret_cast<float2*>(out_row + c) = make_float2(sum.x * r, sum.y * r);
     }
+}
+
+// The uniform splits of each (entry, head): grid (ceil(DL / 64), H, B), 256 threads; for B = 1 and
+// 16 heads that is 128 blocks, about one per SM, since at batch 1 the partials (splits x 16 x 512
+// fp32) are a tenth of the bytes the split kernel read and must stream as fast.
+__global__ void __launch_bounds__(COMBINE_WARPS * 32) mla_decode_combine(
+    float* __restrict__ out, const float* __restrict__ o_part, const float* __restrict__ lse, int splits, int dl) {
+    const long long row = (long long)blockIdx.z * gridDim.y + blockIdx.y;  // b * H + h
+    merge_partials(out + row * dl, o_part + row * splits * dl, dl, lse + row * splits, 1, splits, dl);
+}
+
+// ---- the balanced schedule (chapter 13) ---------------------------------------------------------
+// Uniform splits cut every entry into the same number of chunks, sized for the longest: with mixed
+// lengths most blocks of short entries have nothing to do, and a CUDA graph captured for a bound on
+// the length cuts every step as if every entry had that length. The balanced schedule instead deals
+// the batch's 32-row tiles, all entries end to end, evenly over a fixed number of workers (blocks):
+// worker i takes global tiles [i * per, (i + 1) * per). A worker's range may cover the end of one
+// entry and the start of the next; each such piece is a segment. The segment of entry b handled by
+// worker i writes its partial result into slot i + b: walking the segments in order, each next one
+// has b or i (or both) one larger, so i + b never repeats, and B + workers - 1 slots suffice. A
+// segment that is a whole entry writes `out` directly. The schedule is computed on the GPU from the
+// lengths, so a decode step needs no host sync and a graph replays it with new lengths.
+//
+// mla_decode_schedule: one block of 1024 threads; sched[0] = per (tiles per worker), sched[1 + b] =
+// first tile of entry b (a prefix sum of its ceil(len / 32) tiles), sched[1 + B] = total tiles. An
+// entry's length is clamped to max_length; <= 0 or (contiguous) a slot outside [0, num_slots) is 0.
+__global__ void __launch_bounds__(1024) mla_decode_schedule(
+    int* __restrict__ sched, const int* __restrict__ lengths, const int* __restrict__ slots,  // slots: nullptr when paged
+    int B, int num_slots, int max_length, int workers, int min_tiles) {
+    __shared__ int warp_sums[32];
+    __shared__ int carry;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) carry = 0;
+    for (int base = 0; base < B; base += 1024) {
+        const int b = base + threadIdx.x;
+        int tiles = 0;
+        if (b < B) {
+            int len = min(lengths[b], max_length);
+            if (slots != nullptr && (slots[b] < 0 || slots[b] >= num_slots)) len = 0;
+            tiles = len > 0 ? (len + mla::TILE - 1) / mla::TILE : 0;
+        }
+        int x = tiles;  // inclusive scan: within the warp, then over the warps' totals
+#pragma unroll
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, x, offset);
+            if (lane >= offset) x += y;
+        }
+        if (lane == 31) warp_sums[warp] = x;
+        __syncthreads();
+        if (warp == 0) {
+            int w = warp_sums[lane];
+#pragma unroll
+            for (int offset = 1; offset < 32; offset <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, w, offset);
+                if (lane >= offset) w += y;
+            }
+            warp_sums[lane] = w;
+        }
+        __syncthreads();
+        const int inclusive = carry + (warp > 0 ? warp_sums[warp - 1] : 0) + x;
+        if (b < B) sched[1 + b] = inclusive - tiles;
+        __syncthreads();  // everyone has read carry and warp_sums
+        if (threadIdx.x == 1023) carry = inclusive;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        sched[1 + B] = carry;
+        sched[0] = max(max(min_tiles, 1), (carry + workers - 1) / workers);
+    }
+}
+
+// mla_decode_balanced: grid (workers, 1, head groups). Worker i walks its segments in order.
+template <typename T, int DL, int DR, int STAGES, bool PAGED>
+__global__ void __launch_bounds__(mla::THREADS) mla_decode_balanced(
+    float* __restrict__ o_part,       // [B + workers - 1, H, DL]: a partial segment's result, slot i + b
+    float* __restrict__ lse_part,     // [B + workers - 1, H]
+    float* __restrict__ out,          // [B, H, DL]: a whole-entry segment's result
+    const T* __restrict__ q, const T* __restrict__ cache, const int* __restrict__ slots,
+    const int* __restrict__ lengths, const int* __restrict__ sched, int B, int H, int num_slots, int max_len,
+    int max_length, float scale_log2, const int* __restrict__ block_table, int table_width, int block_size,
+    long long num_rows) {
+    using namespace mla;
+    constexpr int D = DL + DR;
+    const int worker = blockIdx.x, h0 = blockIdx.z * HEADS;
+    const int per = sched[0];
+    const int* first = sched + 1;  // first[b]: entry b's first global tile; first[B]: the total
+    const int a0 = worker * per, a1 = min(a0 + per, first[B]);
+    if (a0 >= a1) return;
+    int lo = 0, hi = B - 1;  // the last entry whose first tile is <= a0 (it holds tile a0)
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (first[mid] <= a0) lo = mid; else hi = mid - 1;
+    }
+    for (int b = lo; b < B && first[b] < a1; ++b) {
+        const int e0 = first[b], e1 = first[b + 1];
+        if (e0 == e1) continue;  // an empty entry: no tiles (the combine writes its zeros)
+        const int s0 = max(a0, e0), s1 = min(a1, e1);
+        const int len = min(lengths[b], max_length);  // > 0: the entry has tiles
+        const T* rows = PAGED ? cache : cache + (long long)slots[b] * max_len * D;
+        const bool whole = s0 == e0 && s1 == e1;
+        const long long slot = (long long)worker + b;
+        attend_rows<T, DL, DR, STAGES, PAGED>(
+            whole ? out + (long long)b * H * DL : o_part + slot * H * DL, DL,
+            whole ? nullptr : lse_part + slot * H, 1, q, rows,
+            PAGED ? block_table + (long long)b * table_width : nullptr, table_width, block_size, num_rows,
+            b, h0, H, (s0 - e0) * TILE, min(len, (s1 - e0) * TILE), scale_log2);
+    }
+}
+
+// Merge each entry's segments: grid (ceil(DL / 64), H, B). Entry b's tiles [e0, e1) were handled
+// by workers e0 / per .. (e1 - 1) / per, whose partials sit in slots i + b. One worker: it wrote
+// `out` itself. No tiles: zeros.
+__global__ void __launch_bounds__(COMBINE_WARPS * 32) mla_decode_combine_balanced(
+    float* __restrict__ out, const float* __restrict__ o_part, const float* __restrict__ lse,
+    const int* __restrict__ sched, int dl) {
+    const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+    const int per = sched[0], e0 = sched[1 + b], e1 = sched[2 + b];
+    float* out_row = out + ((long long)b * H + h) * dl;
+    if (e0 == e1) {
+        const int c = blockIdx.x * COMBINE_COLS + (threadIdx.x & 31) * 2;
+        if (threadIdx.x < 32 && c < dl) *reinterpret_cast<float2*>(out_row + c) = make_float2(0.f, 0.f);
+        return;
+    }
+    const int i0 = e0 / per, i1 = (e1 - 1) / per;
+    if (i0 == i1) return;
+    merge_partials(out_row, o_part + ((long long)(i0 + b) * H + h) * dl, (long long)H * dl,
+                   lse + (long long)(i0 + b) * H + h, H, i1 - i0 + 1, dl);
 }

@@ -39,6 +39,25 @@ EXTRA = [(1, 4096), (8, 4096), (32, 8192), (128, 2048), (4, 32768)]
 ROTATE_BYTES = 256 << 20
 
 
+def rotated(make, nbytes: int) -> list[torch.Tensor]:
+    """Enough copies of a tensor of ``nbytes`` (``make()`` builds one) to rotate through 256 MB: L2 serves none."""
+    return [make() for _ in range(max(1, -(-ROTATE_BYTES // nbytes)))]
+
+
+def copy_bandwidth(tensors: list[torch.Tensor], nbytes: int) -> tuple[float, float]:
+    """(ms, bytes/s) of ``dst.copy_(src)`` over the rotated ``tensors`` of ``nbytes`` each: bytes read + written."""
+    dsts = [torch.empty_like(t) for t in tensors[:2]]
+    state = {"i": 0}
+
+    def copy():
+        j = state["i"]
+        state["i"] += 1
+        dsts[j % len(dsts)].copy_(tensors[j % len(tensors)])
+
+    ms = benchmark.time_cuda_graph(copy, calls=max(20, len(tensors)))
+    return ms, 2 * nbytes / (ms * 1e-3)
+
+
 def batched_torch(q, rows):
     """q [B, h, 576] bf16, rows [B, L, 576] bf16 -> [B, h, 512] fp32 (cuBLAS bmm, fp32 softmax)."""
     s = torch.bmm(q, rows.transpose(1, 2)).float() * SCALE
@@ -61,8 +80,8 @@ def main() -> int:
               f" bar default/best")
     for B, L in BARS + EXTRA:
         nbytes = B * L * (DL + DR) * 2
-        n_rot = max(1, -(-ROTATE_BYTES // nbytes))
-        caches = [torch.randn(B, L, DL + DR, device=dev).to(torch.bfloat16) for _ in range(n_rot)]
+        caches = rotated(lambda: torch.randn(B, L, DL + DR, device=dev).to(torch.bfloat16), nbytes)
+        n_rot = len(caches)
         q = (torch.randn(B, H, DL + DR, device=dev) * 0.1).to(torch.bfloat16)
         slots = torch.arange(B, dtype=torch.int32, device=dev)
         lengths = torch.full((B,), L, dtype=torch.int32, device=dev)
@@ -108,16 +127,7 @@ def main() -> int:
                 print(f"    {stages}{'f' if fused else 'k':<5}{cells}")
         print(f"    winner: splits {best[0]}, stages {best[1]}, {'fused' if best[2] else 'combine kernel'}:"
               f" {sweep[best] * 1e3:.1f} µs")
-        dsts = [torch.empty_like(c) for c in caches[: min(n_rot, 2)]]
-        cstate = {"i": 0}
-
-        def copy():
-            j = cstate["i"]
-            cstate["i"] += 1
-            dsts[j % len(dsts)].copy_(caches[j % n_rot])
-
-        copy_ms = benchmark.time_cuda_graph(copy, calls=max(20, n_rot))
-        copy_bw = 2 * nbytes / (copy_ms * 1e-3)
+        copy_ms, copy_bw = copy_bandwidth(caches, nbytes)
         ref_list = list(range(B))
         ref_ms = benchmark.time_cuda(lambda: mla_decode_reference(q, caches[0], ref_list, [L] * B, SCALE, DL),
                                      warmup=2, iters=5, inner=1)
@@ -140,7 +150,7 @@ def main() -> int:
             "max_abs_err_vs_reference": err, "bar": is_bar, "bar_met": frac >= 0.7 if is_bar else None,
             "bar_met_by_best": best_frac >= 0.7 if is_bar else None,
         })
-        del caches, dsts, ws
+        del caches, ws
         torch.cuda.empty_cache()
     print("\n" + header)
     print("\n".join(rows))

@@ -12,13 +12,15 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dsv2_lib import TINY
 from dsv2_lib.kv_cache import LatentCache, SequenceBatch
 from dsv2_lib.mla import MLA, causal_attention
-from dsv2_lib.mla_decode import (TILE, WARPS, mla_decode, mla_decode_paged, mla_decode_paged_reference,
-                                 mla_decode_query_dtype, mla_decode_reference, mla_decode_splits,
-                                 mla_decode_workspace)
+from dsv2_lib.mla_decode import (TILE, WARPS, balanced_schedule, balanced_segments, mla_decode, mla_decode_paged,
+                                 mla_decode_paged_reference, mla_decode_query_dtype, mla_decode_reference,
+                                 mla_decode_splits, mla_decode_workspace)
 
 # ---- the identities --------------------------------------------------------------------------------
 
@@ -184,16 +186,18 @@ def paged_row(table, block_size, num_rows, tok):
     return row if blk >= 0 and row < num_rows else None
 
 
-def emulate_block(q, cache, slot, length, max_length, chunk, split, h0, scale_log2, DL, table=None, block_size=None):
+def emulate_block(q, cache, slot, length, max_length, chunk, split, h0, scale_log2, DL, table=None, block_size=None,
+                  t_range=None):
     """One block of mla_decode_split (float64, no rounding): returns (o [H, DL] for heads h0.., lse).
-    With ``table`` (PAGED = true) ``cache`` is flat ``[num_rows, D]`` and ``slot`` is unused."""
+    With ``table`` (PAGED = true) ``cache`` is flat ``[num_rows, D]`` and ``slot`` is unused.
+    ``t_range``: the rows ``[t_begin, t_end)`` instead of split ``split`` (a balanced segment)."""
     H, D = q.shape
     KS, QKS, NT_S, COLS = D // 16, -(-(D // 16) // WARPS), TILE // 8, DL // WARPS
     NT_O = COLS // 8
     length = min(length, max_length)
     if table is None and not 0 <= slot < cache.shape[0]:
         length = 0
-    t_begin, t_end = split * chunk, min(length, split * chunk + chunk)
+    t_begin, t_end = t_range or (split * chunk, min(length, split * chunk + chunk))
     ntiles = -(-(t_end - t_begin) // TILE) if t_end > t_begin else 0
     qa = [[None] * QKS for _ in range(WARPS)]
     for w in range(WARPS):
@@ -460,3 +464,82 @@ def test_decode_matches_prefill_on_the_tiny_model():
     pre = attn.prefill_attention(q_nope, q_pe, SequenceBatch((1,), (0,), (9,)), cache)
     dec = attn.decode_attention(q_nope[-1:], q_pe[-1:], SequenceBatch((1,), (8,), (1,), decode=True), cache)
     assert torch.allclose(dec, pre[-1:], atol=1e-5, rtol=1e-5)
+
+
+# ---- the balanced schedule (chapter 13) ------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=st.lists(st.integers(0, 300), min_size=1, max_size=12), workers=st.integers(1, 40),
+       min_tiles=st.integers(1, 5))
+def test_balanced_segments_cover_every_tile_once_and_never_share_a_slot(lengths, workers, min_tiles):
+    per, first = balanced_schedule(lengths, workers, min_tiles)
+    B = len(lengths)
+    assert per >= min_tiles and per * workers >= first[B]  # the workers cover every tile
+    segments = balanced_segments(per, first, workers)
+    for b, n in enumerate(lengths):
+        mine = sorted((t0, t1, i, slot) for i, e, t0, t1, slot in segments if e == b)
+        tiles = -(-n // TILE)
+        # the entry's tiles, in order, without gap or overlap, each segment within one worker's range
+        assert [t for t0, t1, *_ in mine for t in range(t0, t1)] == list(range(tiles))
+        workers_of_b = [i for *_, i, _ in mine]
+        if tiles:  # exactly the workers the combine kernel merges: first / per .. (last - 1) / per
+            assert workers_of_b == list(range(first[b] // per, (first[b + 1] - 1) // per + 1))
+        # one segment: it writes the output itself; several: each a slot
+        assert all((slot is None) == (len(mine) == 1) for *_, slot in mine)
+    slots = [slot for *_, slot in segments if slot is not None]
+    assert len(slots) == len(set(slots)) and all(0 <= s < B + workers - 1 for s in slots)
+
+
+def emulate_balanced(q, cache, tables, lengths, block_size, scale, DL, workers, min_tiles=1):
+    """mla_decode_balanced (its segments, each one block's arithmetic) then mla_decode_combine_balanced."""
+    B, H, _ = q.shape
+    per, first = balanced_schedule(lengths, workers, min_tiles)
+    out = np.full((B, H, DL), np.nan)
+    part = np.full((B + workers - 1, H, DL), np.nan)
+    lse = np.full((B + workers - 1, H), np.nan)
+    for i, b, t0, t1, slot in balanced_segments(per, first, workers):
+        for h0 in range(0, H, 16):
+            n = min(16, H - h0)
+            o, ls = emulate_block(q[b], cache, None, lengths[b], max(lengths), None, None, h0, scale * np.log2(np.e),
+                                  DL, tables[b], block_size, t_range=(t0 * TILE, min(lengths[b], t1 * TILE)))
+            if slot is None:
+                out[b, h0 : h0 + n] = o[:n]
+            else:
+                part[slot, h0 : h0 + n], lse[slot, h0 : h0 + n] = o[:n], ls[:n]
+    for b in range(B):
+        if first[b] == first[b + 1]:
+            out[b] = 0.0
+            continue
+        i0, i1 = first[b] // per, (first[b + 1] - 1) // per
+        if i0 == i1:
+            continue
+        ls, o = lse[i0 + b : i1 + b + 1], part[i0 + b : i1 + b + 1]  # [k, H], [k, H, DL]
+        M = ls.max(axis=0)
+        w = np.exp2(ls - M)
+        out[b] = (w[..., None] * o).sum(axis=0) / w.sum(axis=0)[:, None]
+    return out
+
+
+@pytest.mark.parametrize("H,DL,DR,lengths,block_size,workers,min_tiles", [
+    (4, 64, 16, [1, 15, 16, 17, 70], 16, 3, 1),    # entries split across workers, lengths at tile edges
+    (4, 64, 16, [70, 33, 0, 5], 7, 5, 1),          # an empty entry (zeros), a block size that divides nothing
+    (4, 64, 16, [200], 16, 4, 1),                  # one long entry over every worker
+    (20, 64, 16, [40, 1, 90], 16, 2, 2),           # two head groups; a worker ends mid-entry
+    (16, 512, 64, [45, 100], 16, 3, 1),            # DeepSeek-V2-Lite's rows
+])
+def test_emulated_balanced_kernel_matches_the_reference(H, DL, DR, lengths, block_size, workers, min_tiles):
+    rng = np.random.default_rng(3)
+    D, B = DL + DR, len(lengths)
+    num_blocks = sum(-(-n // block_size) + 1 for n in lengths) + 3
+    cache = rng.standard_normal((num_blocks * block_size, D))
+    tables = random_tables(rng, [max(n, 1) for n in lengths], block_size, num_blocks)
+    q = rng.standard_normal((B, H, D)) * 0.5
+    got = emulate_balanced(q, cache, tables, lengths, block_size, 0.3, DL, workers, min_tiles)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            assert np.array_equal(got[b], np.zeros_like(got[b]))
+            continue
+        want = mla_decode_paged_reference(torch.from_numpy(q[b : b + 1]), torch.from_numpy(cache), [tables[b]], [n],
+                                          block_size, 0.3, DL).numpy()[0]
+        assert np.abs(got[b] - want).max() < 1e-12

@@ -270,22 +270,26 @@ def paged_inputs(lengths, block_size, dtype, heads=16, dl=512, dr=64, spare=3, s
 def test_paged_equals_contiguous_kernel_on_the_same_rows(lengths, block_size, dtype):
     q, pool, table, contiguous = paged_inputs(lengths, block_size, dtype)
     B = len(lengths)
+    want = mla_decode_reference(q, contiguous, range(B), lengths, 0.1147, 512)
     for num_splits, stages, fused in ((1, 2, False), (3, 2, False), (3, 4, True), (None, None, None)):
         kw = dict(num_splits=num_splits, stages=stages, fused=fused)
-        got = mla_decode_paged(q, pool, table, lengths, block_size, 0.1147, 512, **kw)
+        got = mla_decode_paged(q, pool, table, lengths, block_size, 0.1147, 512, schedule="uniform", **kw)
         same = mla_decode(q, contiguous, list(range(B)), lengths, 0.1147, 512, **kw)
         if num_splits is not None:  # same splits and depth: the same arithmetic on the same rows
             assert torch.equal(got, same), (num_splits, stages, fused)
-        assert close(got, mla_decode_reference(q, contiguous, range(B), lengths, 0.1147, 512), pool, dtype)
+        assert close(got, want, pool, dtype)
+    for stages in STAGES:  # the balanced schedule (the default)
+        assert close(mla_decode_paged(q, pool, table, lengths, block_size, 0.1147, 512, stages=stages), want, pool, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_paged_other_shapes_and_reference(dtype):
     lengths = [1, 15, 16, 17, 100]
     q, pool, table, contiguous = paged_inputs(lengths, 16, dtype, heads=20, dl=64, dr=16)
-    got = mla_decode_paged(q, pool, table, lengths, 16, 0.3, 64, num_splits=2)
+    got = mla_decode_paged(q, pool, table, lengths, 16, 0.3, 64, num_splits=2, schedule="uniform")
     want = mla_decode_paged_reference(q, pool, table, lengths, 16, 0.3, 64)
     assert close(got, want, pool, dtype)
+    assert close(mla_decode_paged(q, pool, table, lengths, 16, 0.3, 64), want, pool, dtype)
     assert torch.equal(got, mla_decode(q, contiguous, list(range(5)), lengths, 0.3, 64, num_splits=2))
 
 
@@ -293,9 +297,13 @@ def test_paged_bad_table_entries_read_zero_rows_and_bad_inputs_are_refused():
     q, pool, table, _ = paged_inputs([40, 20], 16, torch.bfloat16)
     table[0, 1] = -1                      # a hole inside a context
     table[1, 0] = pool.shape[0] // 16 + 5  # a block past the pool
-    got = mla_decode_paged(q, pool, table, [40, 20], 16, 0.1147, 512, num_splits=2)
     want = mla_decode_paged_reference(q, pool, table, [40, 20], 16, 0.1147, 512)
-    assert close(got, want, pool, torch.bfloat16)
+    for kw in (dict(num_splits=2, schedule="uniform"), {}):
+        assert close(mla_decode_paged(q, pool, table, [40, 20], 16, 0.1147, 512, **kw), want, pool, torch.bfloat16)
+    with pytest.raises(ValueError, match="for schedule='uniform'"):
+        mla_decode_paged(q, pool, table, [40, 20], 16, 0.1147, 512, num_splits=2)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        mla_decode_paged(q, pool, table, [40, 20], 16, 0.1147, 512, schedule="even")
     with pytest.raises(ValueError, match="length 49 outside 1..48"):
         mla_decode_paged(q, pool, table, [49, 20], 16, 0.1147, 512)
     with pytest.raises(TypeError):
@@ -303,8 +311,9 @@ def test_paged_bad_table_entries_read_zero_rows_and_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="need max_length"):
         mla_decode_paged(q, pool, table, torch.tensor([40, 20], dtype=torch.int32, device="cuda"), 16, 0.1, 512)
     lengths = torch.tensor([400, 20], dtype=torch.int32, device="cuda")  # clamped to max_length on the device
-    got = mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512, max_length=40, num_splits=1)
-    assert close(got, want, pool, torch.bfloat16)
+    for kw in (dict(num_splits=1, schedule="uniform"), {}):
+        assert close(mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512, max_length=40, **kw), want, pool,
+                     torch.bfloat16)
 
 
 @pytest.mark.cuda_graph
@@ -313,7 +322,7 @@ def test_paged_cuda_graph_capture_and_replay():
     lengths = torch.tensor([900, 5, 300], dtype=torch.int32, device="cuda")
     out = torch.empty(3, 16, 512, device="cuda")
     kw = dict(max_length=900, workspace=mla_decode_workspace(3, 16, 64, 512, "cuda"), num_splits=6,
-              counters=mla_decode_counters(3, 16, "cuda"), fused=True, stages=4, out=out)
+              counters=mla_decode_counters(3, 16, "cuda"), fused=True, stages=4, out=out, schedule="uniform")
     mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512, **kw)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -322,6 +331,64 @@ def test_paged_cuda_graph_capture_and_replay():
     for step in range(3):
         pool.copy_(torch.randn(pool.shape, device="cuda").to(pool.dtype))
         table.copy_(table[:, torch.randperm(table.shape[1], device="cuda")].roll(1, 0))  # new tables, same pool
+        lengths.copy_(torch.tensor([900 - step, 5 + 100 * step, 1 + step], dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = mla_decode_paged_reference(q, pool, table, lengths, 16, 0.1147, 512)
+        assert close(out, want, pool, torch.bfloat16)
+
+
+# ---- the balanced schedule -------------------------------------------------------------------------
+from dsv2_lib.mla_decode import balanced_schedule, mla_decode_schedule  # noqa: E402
+
+
+@pytest.mark.parametrize("workers,min_tiles", [(1, 1), (7, 1), (132, 4), (264, 4)])
+def test_schedule_kernel_equals_its_host_mirror(workers, min_tiles):
+    g = torch.Generator().manual_seed(workers)
+    for B in (1, 5, 1023, 1024, 1025, 3000):  # one chunk of the block-wide scan, several
+        lengths = torch.randint(-3, 5000, (B,), generator=g, dtype=torch.int32)
+        got = mla_decode_schedule(lengths.cuda(), 4000, workers, min_tiles).tolist()
+        per, first = balanced_schedule([min(max(n, 0), 4000) for n in lengths.tolist()], workers, min_tiles)
+        assert got == [per, *first], B
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_balanced_many_mixed_entries(dtype):
+    """130 entries of 1 .. 700 rows (tile edges included): every segment boundary case at once."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [1, 15, 16, 17, 31, 32, 33] + torch.randint(1, 700, (123,), generator=g).tolist()
+    q, pool, table, contiguous = paged_inputs(lengths, 16, dtype, seed=5)
+    want = mla_decode_reference(q, contiguous, range(len(lengths)), lengths, 0.1147, 512)
+    got = mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512)
+    assert close(got, want, pool, dtype)
+    assert torch.equal(got, mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512))  # deterministic
+
+
+def test_balanced_device_lengths_with_empty_entries_give_zeros():
+    q, pool, table, contiguous = paged_inputs([300, 40, 90], 16, torch.bfloat16)
+    lengths = torch.tensor([300, 0, 90], dtype=torch.int32, device="cuda")
+    got = mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512, max_length=300)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    want = mla_decode_reference(q[[0, 2]], contiguous, [0, 2], [300, 90], 0.1147, 512)
+    assert close(got[[0, 2]], want, pool, torch.bfloat16)
+
+
+@pytest.mark.cuda_graph
+def test_balanced_cuda_graph_replays_with_new_lengths():
+    """Captured once with the table's capacity as the bound; each replay takes new lengths and tables,
+    and the schedule follows them (computed on the GPU inside the graph)."""
+    q, pool, table, _ = paged_inputs([900, 5, 300], 16, torch.bfloat16)
+    lengths = torch.tensor([900, 5, 300], dtype=torch.int32, device="cuda")
+    out = torch.empty(3, 16, 512, device="cuda")
+    bound = table.shape[1] * 16
+    mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512, max_length=bound, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512, max_length=bound, out=out)
+    for step in range(3):
+        pool.copy_(torch.randn(pool.shape, device="cuda").to(pool.dtype))
+        table.copy_(table[:, torch.randperm(table.shape[1], device="cuda")].roll(1, 0))
         lengths.copy_(torch.tensor([900 - step, 5 + 100 * step, 1 + step], dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()
