@@ -1,0 +1,25 @@
+"""The end-to-end benchmark's machinery on the CPU, with the tiny model (the numbers mean nothing here;
+on the H200 `python -m dsv2_lib bench` is the measurement)."""
+import json
+
+from dsv2_lib import bench
+
+
+def test_bench_runs_both_engines_and_writes_json_and_plot(tmp_path):
+    cfg = bench.BenchConfig(model="tiny", device="cpu", dtype="float32", prompt_len=12, prefill_batches=(2,),
+                            decode_batches=(3,), decode_tokens=3, hf_decode_tokens=2, repeats=1)
+    record = bench.run(cfg)
+    kinds = [(r["engine"], r["kind"], r["batch"]) for r in record["results"]]
+    assert kinds == [(e, k, b) for e in ("ours", "transformers") for k, b in (("prefill", 2), ("decode", 3))]
+    assert all(r["tokens_per_s"] > 0 and r["roofline_fraction"] is None for r in record["results"])  # no roofline off the GPU
+    decode = [r for r in record["results"] if r["kind"] == "decode"]
+    assert all(len(r["seconds"]) == 2 for r in decode)
+    js, png = bench.save(record, tmp_path)
+    assert json.loads(js.read_text())["config"]["prompt_len"] == 12 and png.stat().st_size > 0
+    text = bench.table(record)
+    assert text.count("\n") == 2 and "decode" in text and "x" in text.splitlines()[1]
+
+
+def test_prompts_are_reproducible_and_avoid_special_ids():
+    a, b = bench.prompts(100, 3, 7, seed=1), bench.prompts(100, 3, 7, seed=1)
+    assert a == b and len(a) == 3 and all(len(p) == 7 and min(p) >= 2 for p in a)
