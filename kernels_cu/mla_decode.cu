@@ -428,8 +428,8 @@ __global__ void __launch_bounds__(COMBINE_WARPS * 32) mla_decode_combine(
 // the batch's 32-row tiles, all entries end to end, evenly over a fixed number of workers (blocks):
 // worker i takes global tiles [i * per, (i + 1) * per). A worker's range may cover the end of one
 // entry and the start of the next; each such piece is a segment. The segment of entry b handled by
-// worker i writes its partial result into slot i + b: walking the segments in order, each next one
-// has b or i (or both) one larger, so i + b never repeats, and B + workers - 1 slots suffice. A
+// worker i writes its partial result into slot i + b: walking the segments in order, neither b nor i
+// ever decreases and at least one grows, so i + b never repeats, and B + workers - 1 slots suffice. A
 // segment that is a whole entry writes `out` directly. The schedule is computed on the GPU from the
 // lengths, so a decode step needs no host sync and a graph replays it with new lengths.
 //

@@ -27,14 +27,6 @@ PENDING = {
     "bench.run": "14",
     "bench.save": "14",
     "bench.table": "14",
-    "cache_write.write_cache_rows": "12",
-    "cache_write.write_cache_rows_reference": "12",
-    "cache.cu": "12",
-    "mla_decode.mla_decode_paged": "13",
-    "mla_decode.mla_decode_paged_reference": "13",
-    "mla_decode.balanced_schedule": "13",
-    "mla_decode.balanced_segments": "13",
-    "mla_decode.mla_decode_schedule": "13",
 }
 CHAPTERS = {f"{i:02d}" for i in range(15)} | set("ABCD")
 
