@@ -186,6 +186,73 @@ class PagedLatentCache:
                              f"{block_bytes(cfg, dtype, block_size) / 2**20:.3f} MiB for this model in {dtype}")
         return cls(cfg, num_blocks, block_size, dtype, device, max_len)
 
+    @classmethod
+    def from_gpu_memory(cls, cfg: ModelConfig, dtype: torch.dtype, device, block_size: int, max_len: int,
+                        utilization: float, max_step_tokens: int) -> PagedLatentCache:
+        """The largest pool that ``utilization`` of the GPU's memory leaves, measured now (after the
+        weights are loaded): :meth:`pool_bytes` of the device's total, free and torch-allocated bytes,
+        less :meth:`activation_reserve` for steps of ``max_step_tokens`` tokens, in whole blocks.
+        Refuses a pool with fewer blocks than one request of ``max_len`` tokens needs."""
+        total = torch.cuda.get_device_properties(device).total_memory
+        free, _ = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        reserve = cls.activation_reserve(cfg, dtype, max_step_tokens, max_len)
+        pool = cls.pool_bytes(total, free, allocated, utilization, reserve)
+        one = block_bytes(cfg, dtype, block_size)
+        num_blocks, need = max(pool, 0) // one, -(-(max_len - 1) // block_size)
+        if num_blocks < need:
+            raise ValueError(
+                f"gpu_memory_utilization={utilization} leaves the KV cache {pool / 2**20:.1f} MiB = {num_blocks} blocks "
+                f"of {block_size} tokens ({one / 2**20:.3f} MiB each): min({utilization} x {total / 2**20:.1f} MiB total "
+                f"- {allocated / 2**20:.1f} MiB held by torch, {free / 2**20:.1f} MiB free) - {reserve / 2**20:.1f} MiB "
+                f"kept for activations; one request of max_model_len {max_len} tokens needs {need} blocks. Raise "
+                "gpu_memory_utilization, or lower max_model_len or max_num_batched_tokens"
+            )
+        return cls(cfg, num_blocks, block_size, dtype, device, max_len)
+
+    @staticmethod
+    def pool_bytes(total: int, free: int, allocated: int, utilization: float, reserve: int) -> int:
+        """Bytes for the paged cache: ``min(utilization × total − allocated, free) − reserve``.
+
+        ``utilization × total`` is what the engine may use of the GPU (vLLM's ``gpu_memory_utilization``),
+        ``allocated`` what torch already holds (the weights), ``free`` what the device can still give
+        (less when another process holds memory), ``reserve`` what each step's activations need. May be
+        negative: nothing is left."""
+        return int(min(utilization * total - allocated, free)) - reserve
+
+    @staticmethod
+    def activation_reserve(cfg: ModelConfig, dtype: torch.dtype, max_step_tokens: int, max_len: int) -> int:
+        """Bytes kept free for one step's activations: an estimate of the largest tensors alive at once
+        when a step computes ``T = max_step_tokens`` tokens (``b`` = the dtype's bytes), summed:
+
+        * the residual stream and block outputs, ``6 · T · H · b``;
+        * MLA's queries, latent rows and attention output, ``T · (h·(qk_head + v_head) + row_dim) · b``,
+          the absorbed decode's fp32 latent output ``T · h · kv_lora · 4``;
+        * a prefill's decompressed context: the gathered rows and ``kv_b_proj``'s keys and values of one
+          sequence of up to ``max_len`` tokens beside the step's own, ``(max_len + T) · (row_dim + h·(qk_nope
+          + v_head)) · b`` (several long contexts prefilled in one step would take more);
+        * the FFN, the larger of the dense MLP ``T · 3·I · b`` (gate|up and their product) and the MoE:
+          every token's top-k copies with their input, gate|up, product and output
+          ``T · k · (3·I_moe + 2·H) · b``, the shared experts ``T · 3·n_shared·I_moe · b``, the router's
+          fp32 scores ``T · E · 4``;
+        * the logits, if every token of the step samples (a decode step of ``T`` requests):
+          ``T · vocab · (b + 4)`` (the LM head's output and its fp32 copy);
+        * 256 MiB for cuBLAS and kernel workspaces and the allocator's fragmentation.
+
+        DeepSeek-V2-Lite in bf16 with T = 8192 and max_len = 163840: about 7.9 GiB, mostly the logits
+        (4.7 GiB) and the 160k-token context (1.5 GiB); lower ``max_num_batched_tokens`` to lower it.
+        """
+        c, t, b = cfg, max_step_tokens, dtype.itemsize
+        h = c.num_attention_heads
+        moe = t * (c.num_experts_per_tok * (3 * c.moe_intermediate_size + 2 * c.hidden_size)
+                   + 3 * c.n_shared_experts * c.moe_intermediate_size) * b + t * c.n_routed_experts * 4
+        return (6 * t * c.hidden_size * b
+                + t * (h * (c.qk_head_dim + c.v_head_dim) + c.cache_row_dim) * b + t * h * c.kv_lora_rank * 4
+                + (max_len + t) * (c.cache_row_dim + h * (c.qk_nope_head_dim + c.v_head_dim)) * b
+                + max(t * 3 * c.intermediate_size * b, moe)
+                + t * c.vocab_size * (b + 4)
+                + 256 * 2**20)
+
     def layer(self, i: int) -> torch.Tensor:
         """Layer ``i``'s cache, ``[num_blocks * block_size, row_dim]`` (a view)."""
         return self.rows[i]

@@ -5,6 +5,7 @@ over a paged latent cache; which requests share a step never changes what a requ
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ class RunStats:
             f"KV cache pool:          {s.pool_blocks} blocks of {s.block_size} tokens ({s.pool_blocks * s.block_size} tokens)",
             f"peak active requests:   {s.peak_running}",
             f"largest decode batch:   {s.max_decode_batch}",
+            f"largest step:           {s.max_step_tokens} tokens ({s.prefill_chunks} prefill chunks in all)",
             f"peak blocks allocated:  {s.peak_used_blocks}",
             f"admission waits:        {s.admission_waits} (steps spent queued, summed over requests)",
             f"free blocks at the end: {s.free_blocks}",
@@ -64,6 +66,24 @@ class RunStats:
             f"({b.prefix_hit_blocks} block hits, {b.evictions} evictions)",
             f"steps:                  {s.steps}; {self.generated_tokens} tokens generated in {self.seconds:.2f} s",
         ])
+
+
+def _check_memory_utilization(utilization: float, kv_cache_mib: float | None, device: torch.device,
+                              max_num_batched_tokens: int | None) -> None:
+    """Refuse a ``gpu_memory_utilization`` that is not a fraction in (0, 1], or that comes with
+    ``kv_cache_mib`` (two sizes for one cache), a device other than CUDA (no GPU memory to measure) or
+    no per-step token budget (the activation reserve needs a bound on the tokens of a step)."""
+    if not isinstance(utilization, (int, float)) or isinstance(utilization, bool) or not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {utilization!r}")
+    if kv_cache_mib is not None:
+        raise ValueError(f"give kv_cache_mib ({kv_cache_mib}) or gpu_memory_utilization ({utilization}), not both: "
+                         "each sizes the KV cache")
+    if device.type != "cuda":
+        raise ValueError(f"gpu_memory_utilization sizes the KV cache from a GPU's memory, but the device is "
+                         f"{device.type}; use kv_cache_mib there")
+    if max_num_batched_tokens is None:
+        raise ValueError("gpu_memory_utilization needs max_num_batched_tokens: the memory kept for activations "
+                         "follows from the most tokens one step may hold")
 
 
 def resolve_model(model: str | Path) -> Path:
@@ -86,14 +106,18 @@ class LLM:
     Serving: requests run through a scheduler (``scheduling``: ``"continuous"`` or ``"static"``;
     ``admission``: ``"reserve"`` or ``"optimistic"``, see :mod:`~dsv2_lib.scheduler`) over a paged
     latent cache of blocks of ``block_size`` tokens, shared prompt prefixes computed once when
-    ``prefix_caching``. ``kv_cache_mib`` sizes the cache once, here (requests then wait for blocks);
-    ``None`` sizes it at each run to hold every request's worst case at once. After a run,
-    ``last_stats`` holds its :class:`RunStats`.
+    ``prefix_caching``. A step computes at most ``max_num_batched_tokens`` tokens: decodes first, then
+    prompt chunks (chunked prefill; ``None``: no limit, whole prompts). ``kv_cache_mib`` sizes the cache
+    once, here (requests then wait for blocks); ``gpu_memory_utilization`` (CUDA only) sizes it once,
+    after loading the weights, to what that fraction of the GPU's memory leaves
+    (:meth:`PagedLatentCache.from_gpu_memory`); neither: sized at each run to hold every request's worst
+    case at once. After a run, ``last_stats`` holds its :class:`RunStats`.
     """
 
     def __init__(self, model: str | Path = "tiny", device: str | None = None, dtype: str | torch.dtype | None = None,
                  max_model_len: int | None = None, kv_cache_mib: float | None = None, block_size: int = 16,
-                 scheduling: str = "continuous", admission: str = "reserve", prefix_caching: bool = True):
+                 scheduling: str = "continuous", admission: str = "reserve", prefix_caching: bool = True,
+                 max_num_batched_tokens: int | None = 8192, gpu_memory_utilization: float | None = None):
         path = resolve_model(model)
         self.config = load_config(path)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -111,13 +135,20 @@ class LLM:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         self.block_size, self.scheduling, self.admission = block_size, scheduling, admission
-        self.prefix_caching = prefix_caching
+        Scheduler.check_budget(max_num_batched_tokens)
+        self.prefix_caching, self.max_num_batched_tokens = prefix_caching, max_num_batched_tokens
+        if gpu_memory_utilization is not None:
+            _check_memory_utilization(gpu_memory_utilization, kv_cache_mib, self.device, max_num_batched_tokens)
         self.cache = None if kv_cache_mib is None else PagedLatentCache.from_mib(
             self.config, kv_cache_mib, self.dtype, self.device, block_size, self.max_model_len)
         self.last_stats: RunStats | None = None
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = DeepseekV2(self.config)
         load_checkpoint(self.model, path)
+        if gpu_memory_utilization is not None:  # after the weights: the pool gets what they leave
+            self.cache = PagedLatentCache.from_gpu_memory(
+                self.config, self.dtype, self.device, block_size, self.max_model_len, gpu_memory_utilization,
+                max_num_batched_tokens)
         self.tokenizer = Tokenizer.from_dir(path)
 
     # ---- inputs -----------------------------------------------------------------------------
@@ -205,26 +236,27 @@ class LLM:
             need = max(1, sum(-(-(n - 1) // self.block_size) for n in limits))
             cache = PagedLatentCache(self.config, need, self.block_size, self.dtype, self.device, max(limits, default=0))
         sched = Scheduler(BlockManager(cache.num_blocks, self.block_size, self.prefix_caching),
-                          self.scheduling, self.admission)
+                          self.scheduling, self.admission, self.max_num_batched_tokens)
         for i, n in zip(ids, limits):  # request ids 0, 1, ... are the prompt indices
             sched.add_request(i, n - len(i))
         return self._run(sched, cache, plist, progress)
 
     def _run(self, sched: Scheduler, cache: PagedLatentCache, plist: list[SamplingParams],
              progress: bool | None) -> Iterator[tuple[int, int, str | None]]:
-        """Step the scheduler to the end: model, one sample per work item with each request's own
-        generator, stop decisions; then record ``last_stats``."""
+        """Step the scheduler to the end: model, one sample per work item that samples (decodes and
+        prompts' last chunks) with each request's own generator, stop decisions; then record ``last_stats``."""
         generators = [p.generator(self.device) for p in plist]
         start, generated = time.perf_counter(), 0
         with tqdm(total=len(plist), desc="requests", unit="req", disable=None if progress is None else not progress) as bar:
             while sched.has_unfinished():
                 work = sched.schedule()
+                sampled = [w for w in work if w.samples]
                 logits = self._step(work, cache) if work else None
-                tokens = [sample(logits[j], plist[w.request.id], generators[w.request.id]) for j, w in enumerate(work)]
-                stops = [self._is_stop(t, plist[w.request.id]) for t, w in zip(tokens, work)]
+                tokens = [sample(logits[j], plist[w.request.id], generators[w.request.id]) for j, w in enumerate(sampled)]
+                stops = [self._is_stop(t, plist[w.request.id]) for t, w in zip(tokens, sampled)]
                 bar.update(len(sched.update(work, tokens, stops)))
                 generated += len(tokens)
-                for w, t in zip(work, tokens):
+                for w, t in zip(sampled, tokens):
                     yield w.request.id, t, w.request.finish_reason
         self.last_stats = RunStats(sched.stats(), sched.blocks.stats(), generated, time.perf_counter() - start)
 
@@ -242,15 +274,27 @@ class LLM:
             yield i, token, piece
 
     def _step(self, work: list[Work], cache: PagedLatentCache) -> torch.Tensor:
-        """Run the model on one scheduled step: logits of each work item's last token, ``[len(work), vocab]``."""
-        batch = PagedBatch(
-            starts=tuple(w.positions.start for w in work), lens=tuple(len(w.token_ids) for w in work),
-            block_tables=tuple(w.block_table for w in work), block_size=cache.block_size,
-            slots=tuple(s for w in work for s in w.slots), decode=not work[0].prefill, device=self.device,
-        )
-        tokens = torch.tensor([t for w in work for t in w.token_ids], device=self.device)
-        last = torch.tensor(batch.lens, device=self.device).cumsum(0) - 1
-        return self.model.compute_logits(self.model(tokens, batch, cache)[last])
+        """Run the model on one scheduled step: logits of the last token of each work item that samples,
+        in work order, ``[sum(w.samples for w in work), vocab]``.
+
+        A step may hold decode items and prefill chunks: each kind is one forward pass over a
+        :class:`PagedBatch` of its own (``decode`` picks the attention path), the decode items first, as
+        the scheduler lists them (a block a decode item fills is then written before a prefill of the
+        same step that shares it reads it; see :mod:`~dsv2_lib.scheduler`).
+        """
+        hidden = []
+        for part in ([w for w in work if not w.prefill], [w for w in work if w.prefill]):
+            if not part:
+                continue
+            batch = PagedBatch(
+                starts=tuple(w.positions.start for w in part), lens=tuple(len(w.token_ids) for w in part),
+                block_tables=tuple(w.block_table for w in part), block_size=cache.block_size,
+                slots=tuple(s for w in part for s in w.slots), decode=not part[0].prefill, device=self.device,
+            )
+            tokens = torch.tensor([t for w in part for t in w.token_ids], device=self.device)
+            last = [i - 1 for i, w in zip(itertools.accumulate(batch.lens), part) if w.samples]
+            hidden.append(self.model(tokens, batch, cache)[torch.tensor(last, dtype=torch.int64, device=self.device)])
+        return self.model.compute_logits(torch.cat(hidden))
 
     def _is_stop(self, token: int, params: SamplingParams) -> bool:
         return token in params.stop_token_ids or (not params.ignore_eos and token in self.config.eos_token_id)

@@ -17,12 +17,24 @@ head of the queue with its generated tokens appended to its prompt, to be prefil
 (its full blocks usually still sit in the prefix cache). Scheduling never changes the tokens a
 request produces; only when and beside whom it runs.
 
-A step is all prefill or all decode (as ``SequenceBatch.decode`` expects): newly admitted requests
-are prefilled, whole prompts at once, while the running ones pause; otherwise every running request
-decodes one token.
+Chunked prefill: ``max_num_batched_tokens`` caps the tokens one step computes (its activations, and so
+its time). A step first gives one token to every decoding request (oldest first, within the budget),
+then spends what is left on prompts: first the rest of the prompt of a request admitted earlier and
+not yet fully prefilled, then new admissions (FIFO, by block budget as above), each getting a chunk of
+at most the remaining budget. A long prompt is thus computed over several steps while the running
+requests keep decoding beside it; only the step that computes a prompt's last token samples its first
+generated token (``Work.samples``). A later chunk attends over the chunks before it, already in the
+cache, exactly as a prefill after a prefix-cache hit does. A chunk's blocks are appended only when
+the chunk is scheduled, so the prefix cache names (and offers) a block no earlier than the step whose
+forward pass writes it; a request that shares it in that very step is itself a prefill of that step,
+run in the same forward pass, which writes every row of a layer before attending (the engine runs a
+step's decode items first, then its prefill items, so a block a decode item fills is written before
+any prefill of that step reads it). ``None`` (no budget) keeps whole-prompt steps: a step is then the
+prefills of the newly admitted requests, the running ones pausing, or else a decode of all of them.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +52,8 @@ class Request:
     ``output`` holds the generated tokens; at most ``max_tokens`` of them. ``admitted_step`` is the
     latest admission (a preempted request is admitted again); ``waited_steps`` counts the steps in
     which it sat in the queue; ``cached_tokens`` the prompt tokens found in the prefix cache, summed
-    over admissions.
+    over admissions. ``decoding``: the prefill of its current admission has been scheduled whole, so
+    it brings one token per step.
     """
 
     id: int
@@ -55,6 +68,7 @@ class Request:
     waited_steps: int = 0
     cached_tokens: int = 0
     preemptions: int = 0
+    decoding: bool = False
 
     @property
     def tokens(self) -> list[int]:
@@ -71,8 +85,9 @@ class Request:
 @dataclass(frozen=True)
 class Work:
     """One request's part of a step: ``token_ids`` at absolute ``positions``, their cache rows written
-    to ``slots``; attention reads positions ``0 .. positions[-1]`` through ``block_table``. One token is
-    sampled from the last position. ``prefill``: the prompt (less its cached prefix); else one decode token.
+    to ``slots``; attention reads positions ``0 .. positions[-1]`` through ``block_table``. ``prefill``:
+    a chunk of the prompt (less its cached prefix), else one decode token. ``samples``: one token is
+    sampled from the last position (a decode token, or a prompt's last chunk).
     """
 
     request: Request
@@ -81,6 +96,7 @@ class Work:
     slots: tuple[int, ...]
     block_table: tuple[int, ...]
     prefill: bool
+    samples: bool
 
 
 @dataclass(frozen=True)
@@ -92,30 +108,45 @@ class SchedulerStats:
     block_size: int
     steps: int
     peak_running: int  # most requests admitted at once
-    max_decode_batch: int  # most requests in one decode step
+    max_decode_batch: int  # most requests decoding in one step
     peak_used_blocks: int
     admission_waits: int  # steps spent in the queue, summed over requests
     free_blocks: int
     preemptions: int
     prefill_tokens: int  # tokens computed by prefills (recomputed ones after a preemption included)
     prefix_hit_tokens: int  # prompt tokens served from the prefix cache instead
+    prefill_chunks: int  # prefill work items (one per admission when no prompt is chunked)
+    max_step_tokens: int  # most tokens computed in one step (at most max_num_batched_tokens)
 
 
 class Scheduler:
-    """FIFO admission by block budget, static or continuous, over a ``BlockManager``."""
+    """FIFO admission by block budget, static or continuous, over a ``BlockManager``; at most
+    ``max_num_batched_tokens`` tokens per step (None: no limit, prompts prefilled whole)."""
 
-    def __init__(self, blocks: BlockManager, mode: str = "continuous", admission: str = "reserve"):
+    def __init__(self, blocks: BlockManager, mode: str = "continuous", admission: str = "reserve",
+                 max_num_batched_tokens: int | None = 8192):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
+        self.check_budget(max_num_batched_tokens)
         self.blocks, self.mode, self.admission = blocks, mode, admission
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.steps = 0
         self._next_id = 0
         self._unreported = False  # a step was scheduled and its tokens not yet given to update
+        self._budget = 0  # tokens the step being scheduled may still take
         self._peak_running = self._max_decode = self._waits = self._preemptions = self._prefill_tokens = 0
+        self._chunks = self._max_step = 0
+
+    @staticmethod
+    def check_budget(max_num_batched_tokens: int | None) -> None:
+        """Refuse a per-step token budget that is not an int >= 1 or None (no budget)."""
+        n = max_num_batched_tokens
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"max_num_batched_tokens must be an int >= 1 (tokens per step) or None (no limit), got {n!r}")
 
     def add_request(self, prompt: Sequence[int], max_tokens: int) -> Request:
         """Queue a request; reject at once one whose worst case exceeds the whole pool (it could never run)."""
@@ -139,29 +170,39 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[Work]:
-        """Plan the next step: the prefills of newly admitted requests if any, else a decode of all running ones."""
+        """Plan the next step: with a budget, one token for each decoding request, then prompt chunks in
+        what is left; without one, the prefills of newly admitted requests if any, else a decode of all."""
         if self._unreported:
             raise RuntimeError("the previous step's sampled tokens were not reported: call update(work, tokens, stops) first")
         self._unreported = True
-        work = self._admit() or self._decode()
+        if self.max_num_batched_tokens is None:
+            self._budget = math.inf
+            work = self._prefill([]) or self._decode([])
+        else:
+            self._budget = self.max_num_batched_tokens
+            work = self._prefill(self._decode([]))
         for r in self.waiting:
             r.waited_steps += 1
         self._waits += len(self.waiting)
         self._peak_running = max(self._peak_running, len(self.running))
-        if work and not work[0].prefill:
-            self._max_decode = max(self._max_decode, len(work))
+        self._max_decode = max(self._max_decode, sum(not w.prefill for w in work))
+        self._max_step = max(self._max_step, sum(len(w.token_ids) for w in work))
+        self._prefill_tokens += sum(len(w.token_ids) for w in work if w.prefill)
+        self._chunks += sum(w.prefill for w in work)
         self.steps += 1
         return work
 
     def update(self, work: Sequence[Work], tokens: Sequence[int], stops: Sequence[bool] | None = None) -> list[Request]:
-        """Record one sampled token per work item; finish a request when the caller says ``stops[i]``
-        or it reached ``max_tokens``. Returns the requests that finished."""
-        stops = [False] * len(work) if stops is None else stops
-        if not len(tokens) == len(stops) == len(work):
-            raise ValueError(f"{len(work)} work items but {len(tokens)} tokens and {len(stops)} stop flags")
+        """Record one sampled token per work item that samples (``w.samples``, in work order); finish a
+        request when the caller says ``stops[i]`` or it reached ``max_tokens``. Returns the requests that finished."""
+        sampled = [w for w in work if w.samples]
+        stops = [False] * len(sampled) if stops is None else stops
+        if not len(tokens) == len(stops) == len(sampled):
+            raise ValueError(f"{len(sampled)} work items sample a token but got {len(tokens)} tokens "
+                             f"and {len(stops)} stop flags")
         self._unreported = False
         finished = []
-        for w, token, stop in zip(work, tokens, stops):
+        for w, token, stop in zip(sampled, tokens, stops):
             r = w.request
             r.output.append(token)
             if stop or len(r.output) >= r.max_tokens:
@@ -173,7 +214,7 @@ class Scheduler:
 
     def run(self, step: Callable[[list[Work]], tuple[Sequence[int], Sequence[bool]]]) -> list[Request]:
         """Schedule until every request has finished. ``step(work)`` runs the model and returns one
-        sampled token per item and whether to stop that request. Returns the finished requests by id."""
+        sampled token per item that samples and whether to stop that request. Returns the finished requests by id."""
         done = []
         while self.has_unfinished():
             work = self.schedule()
@@ -186,7 +227,7 @@ class Scheduler:
             pool_blocks=b.num_blocks, block_size=b.block_size, steps=self.steps, peak_running=self._peak_running,
             max_decode_batch=self._max_decode, peak_used_blocks=b.peak_used_blocks, admission_waits=self._waits,
             free_blocks=b.free_blocks, preemptions=self._preemptions, prefill_tokens=self._prefill_tokens,
-            prefix_hit_tokens=b.prefix_hit_tokens,
+            prefix_hit_tokens=b.prefix_hit_tokens, prefill_chunks=self._chunks, max_step_tokens=self._max_step,
         )
 
     # ---- internals -----------------------------------------------------------------------------
@@ -201,36 +242,47 @@ class Scheduler:
         )
         return committed + bm.blocks_to_admit(r.tokens, r.max_len) <= bm.num_blocks
 
-    def _admit(self) -> list[Work]:
-        """Admit from the head of the queue while requests fit (none behind a request that does not)."""
-        if self.mode == "static" and self.running:
-            return []
-        work = []
-        while self.waiting and self._fits(self.waiting[0]):
-            r = self.waiting.popleft()
-            cached = self.blocks.add_sequence(r.id, r.tokens)
-            r.status, r.admitted_step, r.cached_tokens = "running", self.steps, r.cached_tokens + cached
-            self.running.append(r)
-            work.append(self._work(r, r.tokens[cached:], prefill=True))
-            self._prefill_tokens += len(work[-1].token_ids)
+    def _decode(self, work: list[Work]) -> list[Work]:
+        """Add one token for every decoding request, oldest first, while the budget lasts; returns ``work``."""
+        for r in list(self.running):
+            if self._budget < 1:
+                break
+            if r.status == "running" and r.decoding and self._make_room(r, 1):
+                work.append(self._work(r, 1))
         return work
 
-    def _decode(self) -> list[Work]:
-        """One token for every running request, oldest first; under optimistic admission, a request
-        that needs a block when none is free preempts the newest (possibly itself). Under reserve
-        admission a block is always there."""
-        work = []
-        for r in list(self.running):
-            if r.status != "running":  # preempted just now to make room for an older request
-                continue
-            while not self.blocks.can_allocate(1, r.id):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is r:
-                    break
-            else:
-                work.append(self._work(r, r.output[-1:], prefill=False))
+    def _prefill(self, work: list[Work]) -> list[Work]:
+        """Spend the rest of the budget on prompts: first continue a partial prefill, then admit from the
+        head of the queue while requests fit (none behind a request that does not), each getting a chunk
+        of at most the budget left; returns ``work``. Static mode admits only into an empty batch."""
+        for r in [q for q in self.running if not q.decoding]:  # at most one, the newest (see _make_room)
+            n = min(len(r.tokens) - self.blocks.num_tokens(r.id), self._budget)
+            if n >= 1 and self._make_room(r, n):
+                work.append(self._work(r, n))
+        if self.mode == "static" and self.running:
+            return work
+        while self.waiting and self._budget >= 1 and self._fits(self.waiting[0]):
+            r = self.waiting.popleft()
+            cached = self.blocks.add_sequence(r.id, r.tokens)
+            r.status, r.admitted_step, r.cached_tokens, r.decoding = "running", self.steps, r.cached_tokens + cached, False
+            self.running.append(r)
+            work.append(self._work(r, min(len(r.tokens) - cached, self._budget)))
         return work
+
+    def _make_room(self, r: Request, n: int) -> bool:
+        """Whether ``n`` more tokens of r get their blocks now. When the pool is short (only under
+        optimistic admission; reserve keeps a block for every admitted token), preempt the most recently
+        admitted requests until they do; False when r itself had to go.
+
+        No victim already has work in this step: decodes are planned oldest first, and a prompt is cut
+        only where the budget runs out, after which nothing is admitted, so the one request partly
+        prefilled is the newest and its chunk comes after every decode."""
+        while not self.blocks.can_allocate(n, r.id):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is r:
+                return False
+        return True
 
     def _preempt(self, r: Request) -> None:
         """Recompute preemption: free r's blocks and queue it first, its output now part of what to prefill."""
@@ -240,8 +292,13 @@ class Scheduler:
         self._preemptions += 1
         self.waiting.appendleft(r)
 
-    def _work(self, r: Request, token_ids: list[int], prefill: bool) -> Work:
-        start = self.blocks.num_tokens(r.id)
+    def _work(self, r: Request, n: int) -> Work:
+        """The next ``n`` tokens of r (its last output token when decoding), their slots appended now."""
+        start, prefill = self.blocks.num_tokens(r.id), not r.decoding
+        token_ids = r.tokens[start:start + n] if prefill else r.output[-1:]
         slots = self.blocks.append_slots(r.id, token_ids)
-        return Work(r, tuple(token_ids), range(start, start + len(token_ids)), tuple(slots),
-                    tuple(self.blocks.block_table(r.id)), prefill)
+        samples = start + n == len(r.prompt) + len(r.output)
+        r.decoding = samples
+        self._budget -= n
+        return Work(r, tuple(token_ids), range(start, start + n), tuple(slots),
+                    tuple(self.blocks.block_table(r.id)), prefill, samples)

@@ -23,3 +23,15 @@ def test_bench_runs_both_engines_and_writes_json_and_plot(tmp_path):
 def test_prompts_are_reproducible_and_avoid_special_ids():
     a, b = bench.prompts(100, 3, 7, seed=1), bench.prompts(100, 3, 7, seed=1)
     assert a == b and len(a) == 3 and all(len(p) == 7 and min(p) >= 2 for p in a)
+
+
+def test_bench_command_line(tmp_path, capsys):
+    from dsv2_lib.__main__ import main
+
+    rc = main(["bench", "--model", "tiny", "--device", "cpu", "--dtype", "float32", "--prompt-len", "8",
+               "--prefill-batches", "1", "--decode-batches", "2", "--decode-tokens", "2", "--repeats", "1",
+               "--no-transformers", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.splitlines()[0].split()[:2] == ["batch", "ours"] and "decode" in out
+    record = json.loads((tmp_path / "bench.json").read_text())
+    assert {r["engine"] for r in record["results"]} == {"ours"} and (tmp_path / "bench.png").is_file()

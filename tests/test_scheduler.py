@@ -1,7 +1,9 @@
 """The batching scheduler (CPU, pure Python) driven by a fake model: FIFO admission by block budget,
 static vs continuous timelines step by step, rejection of a request larger than the pool, early
 stops, prefix sharing, optimistic admission with preemption by recompute, statistics, and the
-property that scheduling never changes what a request generates."""
+property that scheduling never changes what a request generates. These tests run without a token
+budget (``max_num_batched_tokens=None``: whole prompts, a step all prefill or all decode); chunked
+prefill under a budget is tested in test_chunked_prefill.py, and the property test covers both."""
 import re
 
 import pytest
@@ -34,7 +36,8 @@ class FakeModel:
     """A step function over a fake paged cache: writes every work item's rows (slot -> (position, token))
     first, then reads each context back through its block table, as the engine writes, then attends.
     A wrong slot, a block shared by mistake or a cached block overwritten while in use would change
-    the context, so the test asserts it equals the request's tokens before predicting."""
+    the context, so the test asserts it equals the request's tokens before predicting. Returns a token
+    for each item that samples."""
 
     def __init__(self, block_size: int, eos: int | None = EOS):
         self.bs, self.eos, self.rows, self.log = block_size, eos, {}, []
@@ -49,7 +52,8 @@ class FakeModel:
             n = w.positions[-1] + 1
             context = [self.rows[w.block_table[p // self.bs] * self.bs + p % self.bs] for p in range(n)]
             assert context == list(enumerate(w.request.tokens[:n]))
-            tokens.append(next_token([t for _, t in context]))
+            if w.samples:
+                tokens.append(next_token([t for _, t in context]))
         return tokens, [t == self.eos for t in tokens]
 
     def timeline(self) -> list[str]:
@@ -57,9 +61,9 @@ class FakeModel:
         return [("P " if w[0].prefill else "D ") + "".join("ABCDEFGH"[x.request.id] for x in w) for w in self.log]
 
 
-def make(num_blocks, block_size=4, mode="continuous", admission="reserve", prefix_caching=True):
+def make(num_blocks, block_size=4, mode="continuous", admission="reserve", prefix_caching=True, budget=None):
     bm = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
-    return Scheduler(bm, mode, admission), FakeModel(block_size, eos=None)
+    return Scheduler(bm, mode, admission, budget), FakeModel(block_size, eos=None)
 
 
 # A handcrafted workload, block size 4: (prompt, max_tokens) -> worst case prompt + max_tokens - 1 tokens.
@@ -154,23 +158,27 @@ def test_bad_arguments():
         Scheduler(bm, mode="dynamic")
     with pytest.raises(ValueError, match="admission must be one of"):
         Scheduler(bm, admission="greedy")
+    for bad in (0, -3, 2.5, True, "16"):
+        with pytest.raises(ValueError, match=re.escape(
+                f"max_num_batched_tokens must be an int >= 1 (tokens per step) or None (no limit), got {bad!r}")):
+            Scheduler(bm, max_num_batched_tokens=bad)
     sched = Scheduler(bm)
     sched.add_request([1], 3)
     work = sched.schedule()
-    with pytest.raises(ValueError, match="1 work items but 2 tokens and 2 stop flags"):
+    with pytest.raises(ValueError, match="1 work items sample a token but got 2 tokens and 2 stop flags"):
         sched.update(work, [1, 2], [False, False])
 
 
 def test_an_early_stop_returns_blocks_and_reservation_at_once():
-    sched, _ = make(2)
+    sched, _ = make(2, budget=8192)  # the default budget: no prompt here is chunked
     a = sched.add_request([1, 2, 3, 4], 5)  # reserves both blocks
     b = sched.add_request([5], 2)
     work = sched.schedule()
     assert [w.request for w in work] == [a]
     sched.update(work, [3], [False])
     work = sched.schedule()
-    assert [(w.request, w.token_ids, w.positions, w.slots, w.prefill) for w in work] == [
-        (a, (3,), range(4, 5), (4,), False)  # a's 5th token starts block 1
+    assert [(w.request, w.token_ids, w.positions, w.slots, w.prefill, w.samples) for w in work] == [
+        (a, (3,), range(4, 5), (4,), False, True)  # a's 5th token starts block 1
     ]
     assert sched.update(work, [EOS], [True]) == [a]  # the caller's stop, long before max_tokens
     assert (a.output, a.finish_reason, a.finished_step) == ([3, EOS], "stop", 1)
@@ -258,13 +266,14 @@ PREFIXES = [[], [7, 7, 7, 7, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
     mode=st.sampled_from(["static", "continuous"]),
     admission=st.sampled_from(["reserve", "optimistic"]),
     prefix_caching=st.booleans(),
+    budget=st.sampled_from([None, 1, 2, 3, 5, 8, 8192]),
 )
-def test_any_mode_and_any_pool_that_can_serve_gives_the_same_tokens(
-        requests, block_size, extra_blocks, mode, admission, prefix_caching):
+def test_any_mode_pool_and_budget_that_can_serve_gives_the_same_tokens(
+        requests, block_size, extra_blocks, mode, admission, prefix_caching, budget):
     prompts = [prefix + suffix for prefix, suffix, _ in requests]
     max_len = max(len(p) + m - 1 for p, (_, _, m) in zip(prompts, requests))
     num_blocks = -(-max_len // block_size) + extra_blocks  # the smallest pool that can serve, and larger
-    sched = Scheduler(BlockManager(num_blocks, block_size, prefix_caching), mode, admission)
+    sched = Scheduler(BlockManager(num_blocks, block_size, prefix_caching), mode, admission, budget)
     reqs = [sched.add_request(p, m) for p, (_, _, m) in zip(prompts, requests)]
     model = FakeModel(block_size)
     assert sched.run(model) == reqs
@@ -273,7 +282,13 @@ def test_any_mode_and_any_pool_that_can_serve_gives_the_same_tokens(
     s = sched.stats()
     assert s.free_blocks == num_blocks and s.peak_used_blocks <= num_blocks
     assert admission == "optimistic" or s.preemptions == 0
-    for work in model.log:  # a step is all prefill or all decode; a request appears at most once
-        assert len({w.prefill for w in work}) == 1 and len({w.request.id for w in work}) == len(work)
-        if mode == "static" and work[0].prefill and admission == "reserve":
-            assert all(w.request.admitted_step == work[0].request.admitted_step for w in work)
+    assert s.max_step_tokens == max(sum(len(w.token_ids) for w in work) for work in model.log)
+    for work in model.log:  # a request appears at most once per step
+        assert len({w.request.id for w in work}) == len(work)
+        if budget is None:  # a step is all prefill or all decode
+            assert len({w.prefill for w in work}) == 1
+            if mode == "static" and work[0].prefill and admission == "reserve":
+                assert all(w.request.admitted_step == work[0].request.admitted_step for w in work)
+        else:  # decodes first, then prompt chunks, within the budget
+            assert [w.prefill for w in work] == sorted(w.prefill for w in work)
+            assert sum(len(w.token_ids) for w in work) <= budget
