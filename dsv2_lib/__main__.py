@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
                      help="most tokens one step computes: decodes first, then prompt chunks (chunked prefill; "
                           "default 8192)")
+    gen.add_argument("--eager", dest="cuda_graphs", action="store_false",
+                     help="launch every kernel from Python (no CUDA graphs for decode steps)")
     gen.add_argument("--stats", action="store_true", help="print the scheduler and cache statistics to stderr")
     add_bench_parser(sub)
     args = parser.parse_args(argv)
@@ -42,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed)
         llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_mib=args.kv_cache_mib,
-                  scheduling=args.scheduling or "continuous", max_num_batched_tokens=args.max_num_batched_tokens)
+                  scheduling=args.scheduling or "continuous", max_num_batched_tokens=args.max_num_batched_tokens,
+                  cuda_graphs=args.cuda_graphs)
         outputs = llm.generate(list(args.prompts), params)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -71,6 +74,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--decode-tokens", type=int, default=d.decode_tokens, help="tokens timed per decode measurement")
     b.add_argument("--repeats", type=int, default=d.repeats)
     b.add_argument("--no-transformers", dest="transformers", action="store_false", help="measure our engine only")
+    b.add_argument("--eager", dest="cuda_graphs", action="store_false", help="ours without CUDA graphs")
     b.add_argument("--out", default="bench_results", help="directory for bench.json and bench.png")
 
 
@@ -80,7 +84,7 @@ def bench_command(args) -> int:
     cfg = BenchConfig(model=args.model, checkpoint_dir=args.checkpoint_dir, device=args.device, dtype=args.dtype,
                       prompt_len=args.prompt_len, prefill_batches=tuple(args.prefill_batches),
                       decode_batches=tuple(args.decode_batches), decode_tokens=args.decode_tokens,
-                      repeats=args.repeats, transformers=args.transformers)
+                      repeats=args.repeats, transformers=args.transformers, cuda_graphs=args.cuda_graphs)
     record = run(cfg)
     print(table(record))
     js, png = save(record, args.out)

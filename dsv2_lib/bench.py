@@ -51,6 +51,8 @@ class BenchConfig:
     repeats: int = 3
     transformers: bool = True
     seed: int = 0
+    cuda_graphs: bool = True  # ours: decode steps as CUDA graphs (False: eager, every launch from Python)
+    gpu_memory_utilization: float | None = 0.85  # ours on a GPU: one KV pool for the whole run (graphs kept)
 
 
 @dataclass
@@ -142,7 +144,8 @@ def run(cfg: BenchConfig) -> dict:
         return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
     peak_reset()
-    llm = LLM(path, device=cfg.device, dtype=cfg.dtype)
+    llm = LLM(path, device=cfg.device, dtype=cfg.dtype, cuda_graphs=cfg.cuda_graphs,
+              gpu_memory_utilization=cfg.gpu_memory_utilization if device.type == "cuda" else None)
     results += measure("ours", lambda ids, n: _ours(llm, ids, n), cfg, model_cfg, device)
     memory["ours"] = peak()
     del llm

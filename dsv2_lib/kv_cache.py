@@ -27,6 +27,7 @@ class _Packed:
 
     starts: tuple[int, ...]
     lens: tuple[int, ...]
+    host_checked = False  # True when the token ids were checked on the host (the embedding then skips its sync)
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +90,11 @@ class PagedBatch(_Packed):
     def context_lens(self) -> tuple[int, ...]:
         """Tokens each sequence attends over after this step: ``starts[i] + lens[i]``."""
         return tuple(s + n for s, n in zip(self.starts, self.lens))
+
+    def attention_lengths(self) -> tuple[tuple[int, ...], None]:
+        """How many rows each new token attends over (``start + i + 1`` for token ``i`` of a sequence),
+        as host ints, and no device-side bound (the decode kernel takes the host values)."""
+        return tuple(start + i + 1 for start, n in zip(self.starts, self.lens) for i in range(n)), None
 
     @cached_property
     def slot_mapping(self) -> torch.Tensor:

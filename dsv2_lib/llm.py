@@ -14,9 +14,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from . import kernels
 from .block_manager import BlockManager, BlockStats
 from .checkpoint import load_checkpoint
 from .config import load_config
+from .graph_runner import BUCKETS, DecodeGraphRunner
 from .kv_cache import LatentCache, PagedBatch, PagedLatentCache, SequenceBatch
 from .model import DeepseekV2
 from .sampling import SamplingParams, sample
@@ -111,13 +113,16 @@ class LLM:
     once, here (requests then wait for blocks); ``gpu_memory_utilization`` (CUDA only) sizes it once,
     after loading the weights, to what that fraction of the GPU's memory leaves
     (:meth:`PagedLatentCache.from_gpu_memory`); neither: sized at each run to hold every request's worst
-    case at once. After a run, ``last_stats`` holds its :class:`RunStats`.
+    case at once. After a run, ``last_stats`` holds its :class:`RunStats`. ``cuda_graphs``: decode steps
+    on a GPU (bf16/fp16) replay CUDA graphs (:class:`~dsv2_lib.graph_runner.DecodeGraphRunner`); False runs
+    every launch from Python (eager), for debugging and comparison.
     """
 
     def __init__(self, model: str | Path = "tiny", device: str | None = None, dtype: str | torch.dtype | None = None,
                  max_model_len: int | None = None, kv_cache_mib: float | None = None, block_size: int = 16,
                  scheduling: str = "continuous", admission: str = "reserve", prefix_caching: bool = True,
-                 max_num_batched_tokens: int | None = 8192, gpu_memory_utilization: float | None = None):
+                 max_num_batched_tokens: int | None = 8192, gpu_memory_utilization: float | None = None,
+                 cuda_graphs: bool = True):
         path = resolve_model(model)
         self.config = load_config(path)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -142,6 +147,7 @@ class LLM:
         self.cache = None if kv_cache_mib is None else PagedLatentCache.from_mib(
             self.config, kv_cache_mib, self.dtype, self.device, block_size, self.max_model_len)
         self.last_stats: RunStats | None = None
+        self.cuda_graphs, self._runner = cuda_graphs, None
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = DeepseekV2(self.config)
         load_checkpoint(self.model, path)
@@ -277,14 +283,20 @@ class LLM:
         """Run the model on one scheduled step: logits of the last token of each work item that samples,
         in work order, ``[sum(w.samples for w in work), vocab]``.
 
+        Decode items run as a CUDA graph where :meth:`_graphs_apply` (:mod:`~dsv2_lib.graph_runner`).
         A step may hold decode items and prefill chunks: each kind is one forward pass over a
         :class:`PagedBatch` of its own (``decode`` picks the attention path), the decode items first, as
         the scheduler lists them (a block a decode item fills is then written before a prefill of the
         same step that shares it reads it; see :mod:`~dsv2_lib.scheduler`).
         """
-        hidden = []
+        logits = []
         for part in ([w for w in work if not w.prefill], [w for w in work if w.prefill]):
             if not part:
+                continue
+            if not part[0].prefill and self._graphs_apply(len(part), cache):
+                runner = self._graph_runner(cache)
+                logits.append(runner([w.token_ids[0] for w in part], [w.positions.start for w in part],
+                                     [w.block_table for w in part], [w.slots[0] for w in part]))
                 continue
             batch = PagedBatch(
                 starts=tuple(w.positions.start for w in part), lens=tuple(len(w.token_ids) for w in part),
@@ -293,8 +305,22 @@ class LLM:
             )
             tokens = torch.tensor([t for w in part for t in w.token_ids], device=self.device)
             last = [i - 1 for i, w in zip(itertools.accumulate(batch.lens), part) if w.samples]
-            hidden.append(self.model(tokens, batch, cache)[torch.tensor(last, dtype=torch.int64, device=self.device)])
-        return self.model.compute_logits(torch.cat(hidden))
+            hidden = self.model(tokens, batch, cache)[torch.tensor(last, dtype=torch.int64, device=self.device)]
+            logits.append(self.model.compute_logits(hidden))
+        return torch.cat(logits)
+
+    def _graphs_apply(self, batch_size: int, cache: PagedLatentCache) -> bool:
+        """Whether a decode step of ``batch_size`` requests runs as a CUDA graph: ``cuda_graphs`` on, the
+        16-bit kernel path on a GPU, and a captured size large enough."""
+        return (self.cuda_graphs and self.dtype in (torch.float16, torch.bfloat16) and kernels.use_kernels(cache.rows)
+                and batch_size <= max(BUCKETS))
+
+    def _graph_runner(self, cache: PagedLatentCache) -> DecodeGraphRunner:
+        """The runner of ``cache``'s graphs: kept while the cache is (with ``kv_cache_mib`` or
+        ``gpu_memory_utilization``, for the LLM's life), captured again for a new one."""
+        if self._runner is None or self._runner.cache is not cache:
+            self._runner = DecodeGraphRunner(self.model, cache)
+        return self._runner
 
     def _is_stop(self, token: int, params: SamplingParams) -> bool:
         return token in params.stop_token_ids or (not params.ignore_eos and token in self.config.eos_token_id)

@@ -162,7 +162,7 @@ class MLA(nn.Module):
         c = self.cfg
         batch, cache = as_paged(batch, cache)
         w_k, w_v = self.split_kv_b()
-        lengths = tuple(start + i + 1 for start, n in zip(batch.starts, batch.lens) for i in range(n))
+        lengths, bound = batch.attention_lengths()  # host ints; or, in a CUDA graph, a device tensor and a bound
         if kernels.use_kernels(cache) and _kernel_applies(cache, c.kv_lora_rank):
             dtype = cache.dtype
             query = self._absorbed_query(q_nope, q_pe, w_k, dtype)
@@ -170,7 +170,8 @@ class MLA(nn.Module):
             if any(n != 1 for n in batch.lens):  # several tokens of a sequence: one table row per token
                 seq_of_token = [i for i, n in enumerate(batch.lens) for _ in range(n)]
                 table = table[torch.tensor(seq_of_token, device=table.device)]
-            out_lat = mla_decode_paged(query, cache, table, lengths, batch.block_size, c.softmax_scale, c.kv_lora_rank)
+            out_lat = mla_decode_paged(query, cache, table, lengths, batch.block_size, c.softmax_scale, c.kv_lora_rank,
+                                       max_length=bound)
         else:
             if all(len(t) == 1 for t in batch.block_tables):
                 rows, entries = cache.view(-1, batch.block_size, cache.shape[-1]), [t[0] for t in batch.block_tables]

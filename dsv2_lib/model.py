@@ -87,7 +87,7 @@ class DeepseekV2(nn.Module):
         positions = batch.positions(input_ids.device)
         if isinstance(batch, SequenceBatch):
             batch = batch.paged(cache.max_len, input_ids.device)
-        out, residual = self.model.embed_tokens(input_ids), None
+        out, residual = self.model.embed_tokens(input_ids, check=not batch.host_checked), None
         for i, layer in enumerate(self.model.layers):
             out, residual = layer(out, residual, positions, rope_cache, batch, cache.layer(i))
         return self.model.norm(out, residual)[0]

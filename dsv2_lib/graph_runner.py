@@ -1,0 +1,177 @@
+"""CUDA-graph decode (chapter 14): a decode step captured once per batch size, replayed with new inputs.
+
+A DeepSeek-V2-Lite decode step is hundreds of kernel launches; launched one by one from Python each
+costs microseconds of CPU time, more than the GPU needs for most of them at small batch. A CUDA graph
+records the launches once and replays them with one call. What a replay may not do is change any
+launch: the grid, the pointers and the host-side decisions are those of the capture. So the step's
+inputs live in fixed device buffers, written before each replay:
+
+* ``input_ids``, ``positions``, ``slot_mapping`` ``[n]`` (int64) and ``lengths`` ``[n]`` (int32): the token
+  of each entry, its position, the cache row it writes and the rows it attends over;
+* ``block_table`` ``[n, width]`` (int32): each entry's blocks, padded with -1;
+* ``logits`` ``[n, vocab]`` (fp32): the graph's output.
+
+A step of ``B`` requests runs in the graph of the smallest captured size ``n >= B`` (``BUCKETS``); the
+``n - B`` padding entries write no cache row (slot -1), attend over nothing (length 0) and their logits
+are dropped. Everything the model decides on the host is fixed per size: every entry brings one token,
+the attention bound is the cache's ``max_len`` (the balanced schedule of chapter 13 follows the real
+lengths on the GPU), and the ids, positions, slots and tables were checked here before being copied in.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import PagedBatch, PagedLatentCache
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def bucket(n: int, buckets: Sequence[int] = BUCKETS) -> int:
+    """The smallest captured batch size that holds ``n`` entries."""
+    for b in sorted(buckets):
+        if b >= n:
+            return b
+    raise ValueError(f"a decode batch of {n} exceeds the largest CUDA-graph size {max(buckets)}")
+
+
+@dataclass
+class DecodeBuffers:
+    """The fixed device tensors of one captured size ``n`` (see the module docstring)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    lengths: torch.Tensor
+    block_table: torch.Tensor
+    logits: torch.Tensor | None = None  # the graph's output, set by the capture
+
+    @classmethod
+    def allocate(cls, n: int, width: int, device) -> DecodeBuffers:
+        z = dict(device=device)
+        return cls(torch.zeros(n, dtype=torch.int64, **z), torch.zeros(n, dtype=torch.int64, **z),
+                   torch.full((n,), -1, dtype=torch.int64, **z), torch.zeros(n, dtype=torch.int32, **z),
+                   torch.full((n, width), -1, dtype=torch.int32, **z))
+
+    def fill(self, token_ids: Sequence[int], starts: Sequence[int], block_tables: Sequence[Sequence[int]],
+             slots: Sequence[int]) -> None:
+        """Write a step of ``B <= n`` entries (entry ``b`` at position ``starts[b]``, its row written to
+        ``slots[b]``) and pad the rest; host values, one copy per buffer, no sync."""
+        n, width = self.block_table.shape
+        B = len(token_ids)
+        pad = n - B
+        rows = torch.full((n, 4), 0, dtype=torch.int64)
+        rows[:B, 0] = torch.tensor(token_ids, dtype=torch.int64)
+        rows[:B, 1] = torch.tensor(starts, dtype=torch.int64)
+        rows[:, 2] = torch.tensor(list(slots) + [-1] * pad, dtype=torch.int64)
+        rows[:B, 3] = torch.tensor(starts, dtype=torch.int64) + 1
+        table = torch.tensor([list(t) + [-1] * (width - len(t)) for t in block_tables] + [[-1] * width] * pad,
+                             dtype=torch.int32).view(n, width)
+        rows, table = rows.pin_memory() if self.input_ids.is_cuda else rows, table
+        self.input_ids.copy_(rows[:, 0], non_blocking=True)
+        self.positions.copy_(rows[:, 1], non_blocking=True)
+        self.slot_mapping.copy_(rows[:, 2], non_blocking=True)
+        self.lengths.copy_(rows[:, 3], non_blocking=True)
+        self.block_table.copy_(table, non_blocking=True)
+
+
+@dataclass(frozen=True, eq=False)
+class StaticDecodeBatch(PagedBatch):
+    """A decode :class:`PagedBatch` of ``n`` entries whose device tensors are ``buffers``: what the model
+    reads during capture and every replay. Its host tuples are placeholders that pass the model's host
+    checks (one token each at position 0, block 0, no row written); the real step is in the buffers."""
+
+    buffers: DecodeBuffers | None = field(default=None, kw_only=True)
+    bound: int = field(default=1, kw_only=True)  # no entry attends over more rows: the cache's max_len
+
+    @classmethod
+    def over(cls, buffers: DecodeBuffers, cache: PagedLatentCache) -> StaticDecodeBatch:
+        n = buffers.input_ids.shape[0]
+        return cls(starts=(0,) * n, lens=(1,) * n, block_tables=((0,),) * n, block_size=cache.block_size,
+                   slots=(-1,) * n, decode=True, device=buffers.input_ids.device, buffers=buffers, bound=cache.max_len)
+
+    host_checked = True  # the ids were checked on the host: the embedding needs no device check (a sync)
+
+    @property
+    def last_position(self) -> int:
+        return self.bound - 1
+
+    def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        return self.buffers.positions
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.buffers.slot_mapping
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        return self.buffers.block_table
+
+    def attention_lengths(self) -> tuple[torch.Tensor, int]:
+        return self.buffers.lengths, self.bound
+
+
+class DecodeGraphRunner:
+    """Decode steps of a model over one :class:`PagedLatentCache`, through CUDA graphs captured lazily,
+    one per size in ``buckets`` (``capture=False``: the same padded static step, run eagerly — for
+    debugging and for the book's comparison). ``runner(token_ids, starts, block_tables, slots)`` returns
+    the logits ``[B, vocab]`` (fp32) of a step of ``B`` decoding entries."""
+
+    def __init__(self, model, cache: PagedLatentCache, buckets: Sequence[int] = BUCKETS, capture: bool = True):
+        if cache.rows.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the model and cache on a GPU, not {cache.rows.device}")
+        self.model, self.cache, self.buckets, self.capture = model, cache, tuple(sorted(buckets)), capture
+        self.width = -(-cache.max_len // cache.block_size)  # table entries an entry may need
+        self.vocab = model.cfg.vocab_size
+        self._steps: dict[int, tuple[DecodeBuffers, StaticDecodeBatch, torch.cuda.CUDAGraph | None]] = {}
+        self._pool = None
+
+    def __call__(self, token_ids: Sequence[int], starts: Sequence[int], block_tables: Sequence[Sequence[int]],
+                 slots: Sequence[int]) -> torch.Tensor:
+        B = len(token_ids)
+        self.check(token_ids, starts, block_tables, slots)
+        buffers, batch, graph = self._step(bucket(B, self.buckets))
+        buffers.fill(token_ids, starts, block_tables, slots)
+        if graph is None:
+            buffers.logits = self._forward(buffers, batch)
+        else:
+            graph.replay()
+        return buffers.logits[:B]
+
+    def check(self, token_ids, starts, block_tables, slots) -> None:
+        """What the graph cannot check: ids in the vocabulary, positions within the cache, tables that cover
+        each position inside the pool, slots inside the pool — refused here, on the host."""
+        B, c = len(token_ids), self.cache
+        if not len(starts) == len(block_tables) == len(slots) == B:
+            raise ValueError(f"decode step: {B} tokens, {len(starts)} starts, {len(block_tables)} tables, {len(slots)} slots")
+        for b, (t, s, table, slot) in enumerate(zip(token_ids, starts, block_tables, slots)):
+            if not 0 <= t < self.vocab:
+                raise ValueError(f"decode entry {b}: token id {t} outside the vocabulary [0, {self.vocab})")
+            if not 0 <= s < c.max_len:
+                raise ValueError(f"decode entry {b}: position {s} outside the cache's 0..{c.max_len - 1}")
+            if len(table) * c.block_size <= s or len(table) > self.width or not all(0 <= x < c.num_blocks for x in table):
+                raise IndexError(f"decode entry {b}: block table {tuple(table)} does not place position {s} in the pool "
+                                 f"of {c.num_blocks} blocks of {c.block_size}")
+            if not 0 <= slot < c.num_blocks * c.block_size:
+                raise IndexError(f"decode entry {b}: slot {slot} outside the pool's {c.num_blocks * c.block_size} rows")
+
+    def _forward(self, buffers: DecodeBuffers, batch: StaticDecodeBatch) -> torch.Tensor:
+        return self.model.compute_logits(self.model(buffers.input_ids, batch, self.cache))
+
+    def _step(self, n: int):
+        """The buffers, static batch and graph of size ``n``, captured on first use."""
+        if n not in self._steps:
+            buffers = DecodeBuffers.allocate(n, self.width, self.cache.rows.device)
+            batch = StaticDecodeBatch.over(buffers, self.cache)
+            graph = None
+            if self.capture:
+                buffers.logits = self._forward(buffers, batch)  # warm-up: kernels compiled, workspaces made
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                self._pool = self._pool or torch.cuda.graph_pool_handle()  # one memory pool for every size
+                with torch.cuda.graph(graph, pool=self._pool):
+                    buffers.logits = self._forward(buffers, batch)
+            self._steps[n] = (buffers, batch, graph)
+        return self._steps[n]

@@ -1,0 +1,79 @@
+"""The CUDA-graph decode runner's host side, on the CPU: sizes, the buffers a replay reads, the checks."""
+import pytest
+import torch
+
+from dsv2_lib import TINY
+from dsv2_lib.graph_runner import BUCKETS, DecodeBuffers, DecodeGraphRunner, StaticDecodeBatch, bucket
+from dsv2_lib.kv_cache import PagedBatch, PagedLatentCache
+
+
+def test_bucket_is_the_smallest_size_that_holds_the_batch():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 17, 128, 129, 256)] == [1, 2, 4, 4, 8, 32, 128, 256, 256]
+    assert bucket(3, (8, 2)) == 8
+    with pytest.raises(ValueError, match="257 exceeds the largest CUDA-graph size 256"):
+        bucket(257)
+    assert BUCKETS == tuple(sorted(BUCKETS))
+
+
+def step():
+    """Three decode entries over a pool of 16-row blocks: positions 0, 17 and 40."""
+    tables = [(5,), (2, 7), (1, 3, 4)]
+    starts = [0, 17, 40]
+    slots = [t[s // 16] * 16 + s % 16 for t, s in zip(tables, starts)]
+    return [11, 12, 13], starts, tables, slots
+
+
+def test_buffers_hold_what_the_paged_batch_derives_and_pad_the_rest():
+    ids, starts, tables, slots = step()
+    buf = DecodeBuffers.allocate(4, 5, "cpu")
+    buf.fill(ids, starts, tables, slots)
+    ref = PagedBatch(starts=tuple(starts), lens=(1, 1, 1), block_tables=tuple(tables), block_size=16,
+                     slots=tuple(slots), decode=True)
+    lengths, bound = ref.attention_lengths()
+    assert bound is None and buf.lengths[:3].tolist() == list(lengths) == [1, 18, 41]
+    assert torch.equal(buf.positions[:3], ref.positions())
+    assert torch.equal(buf.slot_mapping[:3], ref.slot_mapping)
+    assert torch.equal(buf.block_table[:3, :3], ref.block_table) and (buf.block_table[:3, 3:] == -1).all()
+    assert buf.input_ids.tolist() == ids + [0]
+    # the padding entry: token 0 at position 0, writes no row, attends over nothing, has no blocks
+    assert (buf.slot_mapping[3], buf.lengths[3], buf.positions[3]) == (-1, 0, 0) and (buf.block_table[3] == -1).all()
+    # a smaller step in the same buffers leaves nothing of the larger one behind
+    buf.fill([9], [3], [(6,)], [99])
+    assert buf.lengths.tolist() == [4, 0, 0, 0] and buf.slot_mapping.tolist() == [99, -1, -1, -1]
+    assert (buf.block_table[1:] == -1).all() and buf.block_table[0, 0] == 6
+
+
+def test_static_batch_reads_the_buffers_and_passes_the_model_host_checks():
+    cache = PagedLatentCache(TINY, num_blocks=8, block_size=16, dtype=torch.float32, device="cpu", max_len=100)
+    buf = DecodeBuffers.allocate(4, -(-100 // 16), "cpu")
+    batch = StaticDecodeBatch.over(buf, cache)
+    cache.check_fits(batch)  # the placeholders are legal: one token each, in block 0, no row written
+    assert batch.decode and batch.host_checked and batch.num_tokens == 4 and batch.last_position == 99
+    assert batch.positions() is buf.positions and batch.slot_mapping is buf.slot_mapping
+    assert batch.block_table is buf.block_table and batch.attention_lengths() == (buf.lengths, 100)
+    assert not PagedBatch((0,), (1,), ((0,),), 16, (0,)).host_checked
+
+
+def test_runner_needs_a_gpu_and_refuses_what_the_graph_cannot_check():
+    cpu_cache = PagedLatentCache(TINY, num_blocks=4, block_size=16, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="need the model and cache on a GPU"):
+        DecodeGraphRunner(None, cpu_cache)
+
+    class FakeCache:  # the runner's checks only read these
+        max_len, block_size, num_blocks = 64, 16, 4
+        rows = torch.empty(0, device="meta")
+
+    runner = DecodeGraphRunner.__new__(DecodeGraphRunner)
+    runner.cache, runner.width, runner.vocab = FakeCache, 4, 100
+    good = ([1], [20], [(0, 1)], [17])
+    runner.check(*good)
+    for bad, message in [
+        (([100], [20], [(0, 1)], [17]), "token id 100 outside the vocabulary"),
+        (([1], [64], [(0, 1, 2, 3)], [17]), "position 64 outside the cache's 0..63"),
+        (([1], [20], [(0,)], [17]), r"block table \(0,\) does not place position 20"),
+        (([1], [20], [(0, 9)], [17]), r"block table \(0, 9\) does not place position 20"),
+        (([1], [20], [(0, 1)], [64]), "slot 64 outside the pool's 64 rows"),
+        (([1, 2], [20], [(0, 1)], [17]), "2 tokens, 1 starts"),
+    ]:
+        with pytest.raises((ValueError, IndexError), match=message):
+            runner.check(*bad)
