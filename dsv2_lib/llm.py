@@ -21,7 +21,7 @@ from .config import load_config
 from .graph_runner import BUCKETS, DecodeGraphRunner
 from .kv_cache import LatentCache, PagedBatch, PagedLatentCache, SequenceBatch
 from .model import DeepseekV2
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample_rows
 from .scheduler import ADMISSIONS, MODES, Scheduler, SchedulerStats, Work
 from .tokenizer import Tokenizer
 from .weights import default_dtype
@@ -258,7 +258,8 @@ class LLM:
                 work = sched.schedule()
                 sampled = [w for w in work if w.samples]
                 logits = self._step(work, cache) if work else None
-                tokens = [sample(logits[j], plist[w.request.id], generators[w.request.id]) for j, w in enumerate(sampled)]
+                tokens = sample_rows(logits, [plist[w.request.id] for w in sampled],
+                                     [generators[w.request.id] for w in sampled]) if sampled else []
                 stops = [self._is_stop(t, plist[w.request.id]) for t, w in zip(tokens, sampled)]
                 bar.update(len(sched.update(work, tokens, stops)))
                 generated += len(tokens)

@@ -85,3 +85,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         return int(logits.argmax())
     probs = filter_logits(logits, params).softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of ``logits [B, V]``, as :func:`sample` picks it for row ``i`` with ``params[i]``
+    and ``generators[i]``: the greedy rows by one batched argmax, the others one by one with their own
+    generator (a request's draws never depend on its neighbours), and one copy to the host for all."""
+    picks = logits.argmax(-1)
+    for i, (p, g) in enumerate(zip(params, generators)):
+        if p.temperature != 0:
+            picks[i] = torch.multinomial(filter_logits(logits[i], p).softmax(-1), 1, generator=g)[0]
+    return picks.tolist()

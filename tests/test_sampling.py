@@ -259,3 +259,21 @@ def test_temperature_sharpens_and_flattens():
     assert top[0.25] > 0.95 and top[4.0] < 0.5
     # the filter divides logits by T
     assert torch.allclose(filter_logits(logits, SamplingParams(temperature=4.0)), logits / 4)
+
+
+def test_sample_rows_picks_what_sample_picks_row_by_row():
+    """Mixed greedy and sampled rows, ties included: the batched function draws exactly the tokens
+    that sample() draws for each row alone, with fresh generators seeded alike."""
+    from dsv2_lib.sampling import sample, sample_rows
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    logits[1, [3, 7]] = 10.0  # a tie at the top of a greedy row: the lower id wins, both ways
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.7, seed=1), SamplingParams(top_k=5, seed=2),
+              SamplingParams(top_p=0.5, seed=3), SamplingParams(temperature=1.3, top_k=10, top_p=0.9, seed=4)]
+    for step in range(3):
+        want = [sample(row, p, p.generator(torch.device("cpu"))) for row, p in zip(logits, params)]
+        got = sample_rows(logits, params, [p.generator(torch.device("cpu")) for p in params])
+        assert got == want and (step > 0 or got[1] == 3)
+        logits = torch.randn(6, 50)
