@@ -17,6 +17,7 @@ equal-length prompts. The result is a JSON record (GPU, versions, date, commit) 
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import platform
 import statistics
@@ -136,6 +137,7 @@ def run(cfg: BenchConfig) -> dict:
     results, memory = [], {}
 
     def peak_reset():
+        gc.collect()  # the previous engine's weights, cache and graphs go before the next one loads
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -188,15 +190,14 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(record: dict, path: Path) -> None:
-    """Bar chart of tokens/s per measurement, both engines, log scale."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(record: dict, path: Path | None = None):
+    """Bar chart of tokens/s per measurement, both engines, log scale: a matplotlib ``Figure`` (made
+    without pyplot, so no global backend changes), written to ``path`` if given."""
+    from matplotlib.figure import Figure
 
     keys = list(dict.fromkeys((r["kind"], r["batch"]) for r in record["results"]))
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig = Figure(figsize=(8, 3.6))
+    ax = fig.add_subplot()
     for off, engine in ((-0.2, "ours"), (0.2, "transformers")):
         vals = {(r["kind"], r["batch"]): r["tokens_per_s"] for r in record["results"] if r["engine"] == engine}
         ax.bar([i + off for i in range(len(keys))], [vals.get(k, 0) for k in keys], width=0.4, label=engine)
@@ -207,8 +208,9 @@ def plot(record: dict, path: Path) -> None:
                  f"{record['config']['prompt_len']}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
 
 
 def save(record: dict, out_dir: str | Path) -> tuple[Path, Path]:

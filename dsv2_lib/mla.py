@@ -173,6 +173,9 @@ class MLA(nn.Module):
             out_lat = mla_decode_paged(query, cache, table, lengths, batch.block_size, c.softmax_scale, c.kv_lora_rank,
                                        max_length=bound)
         else:
+            if bound is not None:  # device lengths: only the kernel path reads them (a CUDA-graph step)
+                raise ValueError("a decode batch with lengths on the device (StaticDecodeBatch) needs the CUDA kernel "
+                                 "path: a 16-bit cache on the GPU with kernels on")
             if all(len(t) == 1 for t in batch.block_tables):
                 rows, entries = cache.view(-1, batch.block_size, cache.shape[-1]), [t[0] for t in batch.block_tables]
             else:

@@ -18,24 +18,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # item -> chapter that will show it
 PENDING = {
-    "sampling.sample_rows": "14",
-    "graph_runner.DecodeBuffers": "14",
-    "graph_runner.DecodeBuffers.fill": "14",
-    "graph_runner.DecodeGraphRunner": "14",
-    "graph_runner.DecodeGraphRunner.check": "14",
-    "graph_runner.StaticDecodeBatch": "14",
-    "graph_runner.StaticDecodeBatch.attention_lengths": "14",
-    "graph_runner.StaticDecodeBatch.positions": "14",
-    "graph_runner.bucket": "14",
-    "bench.BenchConfig": "14",
-    "bench.Measurement": "14",
-    "bench.checkpoint": "14",
-    "bench.measure": "14",
-    "bench.plot": "14",
-    "bench.prompts": "14",
-    "bench.run": "14",
-    "bench.save": "14",
-    "bench.table": "14",
 }
 CHAPTERS = {f"{i:02d}" for i in range(15)} | set("ABCD")
 
