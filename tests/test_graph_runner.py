@@ -8,7 +8,7 @@ from dsv2_lib.kv_cache import PagedBatch, PagedLatentCache
 
 
 def test_bucket_is_the_smallest_size_that_holds_the_batch():
-    assert [bucket(n) for n in (1, 2, 3, 4, 5, 17, 128, 129, 256)] == [1, 2, 4, 4, 8, 32, 128, 256, 256]
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 9, 17, 128, 129, 256)] == [1, 2, 3, 4, 5, 12, 24, 128, 192, 256]
     assert bucket(3, (8, 2)) == 8
     with pytest.raises(ValueError, match="257 exceeds the largest CUDA-graph size 256"):
         bucket(257)

@@ -25,11 +25,11 @@ def random_step(B, cache, g):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_replay_equals_the_eager_padded_step(dtype):
     llm = LLM("tiny", device="cuda", dtype=dtype)
-    cache = PagedLatentCache(llm.config, num_blocks=64, block_size=16, dtype=dtype, device="cuda", max_len=160)
+    cache = PagedLatentCache(llm.config, num_blocks=256, block_size=16, dtype=dtype, device="cuda", max_len=160)
     cache.rows.normal_()
     graphs, eager = DecodeGraphRunner(llm.model, cache), DecodeGraphRunner(llm.model, cache, capture=False)
     g = torch.Generator().manual_seed(0)
-    for B in (1, 3, 8, 5, 1):  # sizes 1, 4, 8, 8 again (a replay of a graph already captured), 1 again
+    for B in (1, 3, 10, 12, 9, 1):  # graphs of size 1, 3, 12 (padded), 12 again, 12 padded again, 1 again
         step = random_step(B, cache, g)
         before = cache.rows.clone()
         got = graphs(*step).clone()
