@@ -207,3 +207,21 @@ def test_full_size_serves_256_concurrent_requests(checkpoint):
     assert s.free_blocks == s.pool_blocks and b.used_blocks == 0
     # the 64-token system prompt is 4 blocks of 16: computed for the first request, hit by the other 255
     assert s.prefix_hit_tokens == 255 * 64 and s.prefill_tokens == sum(map(len, prompts)) - 255 * 64
+
+
+def test_full_size_greedy_tokens_same_with_graphs_and_eager_padded_steps(checkpoint):
+    """bf16, 3 prompts, 16 greedy tokens: decode steps replayed as CUDA graphs give the same tokens as
+    the same padded steps run eagerly (the graph changes how kernels are launched, not what they compute)."""
+    from dsv2_lib import SamplingParams
+    from dsv2_lib.graph_runner import DecodeGraphRunner
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [IDS[:64], IDS[100:130], IDS[200:203]]
+    llm = LLM(checkpoint, device="cuda", dtype="bfloat16", kv_cache_mib=256)
+    tokens = {}
+    for capture in (True, False):
+        llm._runner = DecodeGraphRunner(llm.model, llm.cache, capture=capture)
+        tokens[capture] = [o.token_ids for o in llm.generate(prompts, params)]
+    del llm
+    free_gpu()
+    assert tokens[True] == tokens[False]
