@@ -266,7 +266,7 @@ def _out_buffer(out: torch.Tensor | None, B: int, H: int, kv_lora_rank: int, dev
 
 
 def _launch_balanced(query, cache, lengths_t, max_length, scale, kv_lora_rank, out, workspace, stages, table,
-                     block_size):
+                     block_size, workers=None):
     """The balanced schedule over a paged cache (checked inputs): schedule kernel, workers, combine."""
     B, H, D = query.shape
     stages = _checked_stages(stages)
@@ -278,7 +278,8 @@ def _launch_balanced(query, cache, lengths_t, max_length, scale, kv_lora_rank, o
                                     cache.device)
     smem = _shared_bytes(stages, D, cache.dtype)
     groups = -(-H // HEADS_PER_BLOCK)
-    workers = max(1, _blocks_per_wave(kernel, smem, cache.device) // groups)  # one wave of blocks in all
+    wave = max(1, _blocks_per_wave(kernel, smem, cache.device) // groups)  # one wave of blocks in all
+    workers = wave if workers is None else workers
     sched = mla_decode_schedule(lengths_t, max_length, workers)
     slots = B + workers - 1  # partial results: slot worker + entry (see the kernel file)
     need = slots * H * (kv_lora_rank + 1)
@@ -341,7 +342,8 @@ def mla_decode_paged(query: torch.Tensor, cache: torch.Tensor, block_table: torc
                      max_length: int | None = None, out: torch.Tensor | None = None,
                      workspace: torch.Tensor | None = None, num_splits: int | None = None,
                      stages: int | None = None, fused: bool | None = None,
-                     counters: torch.Tensor | None = None, schedule: str = "balanced") -> torch.Tensor:
+                     counters: torch.Tensor | None = None, schedule: str = "balanced",
+                     workers: int | None = None) -> torch.Tensor:
     """:func:`mla_decode` over one layer of the paged cache (chapter 13): ``cache [num_rows, D]`` flat, and
     entry ``b`` attends over its positions ``0 .. lengths[b]-1``, position ``p`` read from row
     ``block_table[b][p // block_size] * block_size + p % block_size`` — no gather copy.
@@ -357,7 +359,9 @@ def mla_decode_paged(query: torch.Tensor, cache: torch.Tensor, block_table: torc
     ``schedule``: ``"balanced"`` (default) deals the batch's 32-row tiles evenly over one wave of
     blocks, the schedule computed on the GPU from the lengths (:func:`mla_decode_schedule`), so mixed
     lengths keep every SM busy and a CUDA graph needs no host bound tighter than the table's; then
-    ``num_splits``, ``fused`` and ``counters`` do not apply. ``"uniform"``: :func:`mla_decode`'s splits.
+    ``num_splits``, ``fused`` and ``counters`` do not apply, and ``workers`` (default: one wave, the SMs
+    times the blocks each holds) sets how many blocks share the tiles per head group — fewer, deeper
+    workers write fewer partials. ``"uniform"``: :func:`mla_decode`'s splits.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"mla_decode_paged: schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -407,8 +411,12 @@ def mla_decode_paged(query: torch.Tensor, cache: torch.Tensor, block_table: torc
     if schedule == "balanced":
         if (num_splits, fused, counters) != (None, None, None):
             raise ValueError("mla_decode_paged: num_splits, fused and counters are for schedule='uniform'")
+        if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
+            raise ValueError(f"mla_decode_paged: workers must be an int >= 1, got {workers!r}")
         return _launch_balanced(query, cache, lengths_t, int(max_length), scale, kv_lora_rank, out, workspace, stages,
-                                block_table, block_size)
+                                block_table, block_size, workers)
+    if workers is not None:
+        raise ValueError("mla_decode_paged: workers is for schedule='balanced'")
     return _launch(query, cache, np.uint64(0), lengths_t, int(max_length), scale, kv_lora_rank, out, workspace,
                    num_splits, stages, fused, counters, (0, 0), (block_table, block_size))
 

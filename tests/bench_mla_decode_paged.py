@@ -37,6 +37,7 @@ def main() -> int:
         return 0
     os.environ.setdefault("DSV2_BACKEND", "cuda")
     dev, t0, results = torch.device("cuda"), time.time(), []
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     g = torch.Generator().manual_seed(1)
     print(f"{'batch':>18} {'MB':>7} | {'balanced µs (stages ' + ','.join(map(str, STAGES)) + ')':>36} "
           f"{'% copy':>7} | {'uniform µs':>10} {'% copy':>7} | {'copy GB/s':>9}")
@@ -61,13 +62,19 @@ def main() -> int:
 
         want = mla_decode_paged_reference(q, pools[0], table, lengths, BLOCK, SCALE, DL)
         tol = 4 * 2.0**-8 * pools[0].abs().max().float().item()  # tests/test_mla_decode_gpu.py's bound
-        balanced = {}
+        balanced, workers_sweep = {}, {}
         for stages in STAGES:
             balanced[stages] = benchmark.time_cuda_graph(lambda: run(stages=stages), calls=max(20, len(pools)))
             state["i"] = 0
             run(stages=stages)
             err = (out - want).abs().max().item()
             assert err <= tol, f"{name}: balanced, stages {stages}: error {err}"
+            for w in (sms // 2, sms):  # fewer, deeper workers than the default wave: fewer partials to merge
+                workers_sweep[(stages, w)] = benchmark.time_cuda_graph(lambda: run(stages=stages, workers=w),
+                                                                      calls=max(20, len(pools)))
+                state["i"] = 0
+                run(stages=stages, workers=w)
+                assert (out - want).abs().max().item() <= tol, f"{name}: balanced, {w} workers wrong"
         uniform = benchmark.time_cuda_graph(lambda: run(schedule="uniform"), calls=max(20, len(pools)))
         state["i"] = 0
         run(schedule="uniform")
@@ -75,6 +82,9 @@ def main() -> int:
         _, copy_bw = copy_bandwidth(pools, num_blocks * BLOCK * (DL + DR) * 2)
         best = min(balanced, key=balanced.get)
         frac = {k: nbytes / (v * 1e-3) / copy_bw for k, v in balanced.items()}
+        best_w = min(workers_sweep, key=workers_sweep.get)
+        print(f"{'':>18} fewer workers: " + ", ".join(f"stages {st} x {w} workers {v * 1e3:.1f} µs"
+                                                      for (st, w), v in workers_sweep.items()))
         frac_u = nbytes / (uniform * 1e-3) / copy_bw
         cells = " ".join(f"{v * 1e3:>7.1f}" for v in balanced.values())
         bar = f"  bar {'PASS' if frac[best] >= BAR else 'FAIL'}" if name in BARS else ""
@@ -83,6 +93,9 @@ def main() -> int:
         results.append({"batch": name, "lengths": lengths if len(set(lengths)) > 1 else [lengths[0], B],
                         "cache_bytes": nbytes, "balanced_ms": {str(k): v for k, v in balanced.items()},
                         "best_stages": best, "balanced_fraction_of_copy": frac[best], "uniform_ms": uniform,
+                        "workers_sweep_ms": {f"{st}x{w}": v for (st, w), v in workers_sweep.items()},
+                        "best_fewer_workers": list(best_w),
+                        "best_fewer_workers_fraction_of_copy": nbytes / (workers_sweep[best_w] * 1e-3) / copy_bw,
                         "uniform_fraction_of_copy": frac_u, "copy_GBps": copy_bw / 1e9,
                         "bar": name in BARS, "bar_met": frac[best] >= BAR if name in BARS else None})
         del pools

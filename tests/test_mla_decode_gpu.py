@@ -362,6 +362,12 @@ def test_balanced_many_mixed_entries(dtype):
     got = mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512)
     assert close(got, want, pool, dtype)
     assert torch.equal(got, mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512))  # deterministic
+    for workers in (1, 7, 66):  # one worker walks every entry; a few workers cross many entries each
+        assert close(mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512, workers=workers), want, pool, dtype)
+    with pytest.raises(ValueError, match="workers must be an int >= 1"):
+        mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512, workers=0)
+    with pytest.raises(ValueError, match="workers is for schedule='balanced'"):
+        mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512, workers=4, schedule="uniform")
 
 
 def test_balanced_device_lengths_with_empty_entries_give_zeros():
