@@ -104,7 +104,7 @@ def main() -> int:
         tol = 4 * 2.0**-8 * caches[0].abs().max().float().item()  # tests/test_mla_decode_gpu.py's bound
         sweep = {}
         split_set = sorted(s for s in {1, 2, 4, 8, 16, 32, 64, 128, 256} & set(range(1, L // 32 + 1))
-                           if 66 <= B * s <= 600)  # from half a wave (1 block per SM) to ~2 waves at 2 per SM
+                           if 32 <= B * s <= 600)  # from a quarter wave (1 block per 4 SMs) to ~2 waves at 2 per SM
         for stages in STAGES:
             for fused in (False, True):
                 for splits in split_set:
