@@ -17,7 +17,7 @@ import torch
 from dsv2_lib import attention
 from dsv2_lib.attention import prefill_attention, prefill_attention_reference
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 
 SCALE = 0.114721
 EPS = {torch.float32: 1e-5, torch.float16: 2**-12, torch.bfloat16: 2**-9}
@@ -50,11 +50,6 @@ def close(out, ref, v, dtype):
 
 def versions(dtype):
     return ["naive", "tiled", "sdpa", None] + (list(attention.MMA_VARIANTS) if dtype != torch.float32 else [])
-
-
-@pytest.fixture(autouse=True)
-def kernels_on(monkeypatch):
-    monkeypatch.setenv("DSV2_BACKEND", "cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

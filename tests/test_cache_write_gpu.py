@@ -7,13 +7,8 @@ from dsv2_lib.cache_write import write_cache_rows, write_cache_rows_reference
 from dsv2_lib.kv_cache import PagedBatch
 from dsv2_lib.mla import write_latent_cache
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-@pytest.fixture(autouse=True)
-def kernels_on(monkeypatch):
-    monkeypatch.setenv("DSV2_BACKEND", "cuda")
 
 
 def inputs(R, T, D, dtype, seed=0):

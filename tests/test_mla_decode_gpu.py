@@ -21,17 +21,12 @@ from dsv2_lib.kv_cache import SequenceBatch
 from dsv2_lib.mla_decode import (STAGES, mla_decode, mla_decode_counters, mla_decode_query_dtype,
                                  mla_decode_reference, mla_decode_workspace)
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 
 U = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LITE = (16, 512, 64)  # heads, kv_lora_rank, rope dim of DeepSeek-V2-Lite
 LENGTHS = [[1], [15], [16], [17], [1000], [1, 15, 16, 17, 1000, 33, 64, 2]]
-
-
-@pytest.fixture(autouse=True)
-def kernels_on(monkeypatch):
-    monkeypatch.setenv("DSV2_BACKEND", "cuda")
 
 
 def make_inputs(B, heads, dl, dr, dtype, num_slots=None, max_len=1024, seed=0):

@@ -23,17 +23,12 @@ from dsv2_lib.config import TINY
 from dsv2_lib.moe import (MoE, moe_align, moe_align_reference, moe_experts, route, routed_experts, topk_softmax)
 from dsv2_lib.weights import default_dtype
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 REL = {torch.float32: 2e-5, torch.float16: 4 * 2**-11, torch.bfloat16: 4 * 2**-8}
 LITE = dict(e=64, k=6, h=2048, i=1408)
 SMALL = dict(e=16, k=2, h=256, i=96)
-
-
-@pytest.fixture(autouse=True)
-def kernels_on(monkeypatch):
-    monkeypatch.setenv("DSV2_BACKEND", "cuda")
 
 
 def close(got, want, dtype):
