@@ -143,21 +143,19 @@ class DecodeGraphRunner:
         return buffers.logits[:B]
 
     def check(self, token_ids, starts, block_tables, slots) -> None:
-        """What the graph cannot check: ids in the vocabulary, positions within the cache, tables that cover
-        each position inside the pool, slots inside the pool — refused here, on the host."""
-        B, c = len(token_ids), self.cache
-        if not len(starts) == len(block_tables) == len(slots) == B:
-            raise ValueError(f"decode step: {B} tokens, {len(starts)} starts, {len(block_tables)} tables, {len(slots)} slots")
-        for b, (t, s, table, slot) in enumerate(zip(token_ids, starts, block_tables, slots)):
+        """What the graph cannot check, refused here on the host: ids in the vocabulary, tables that fit
+        the buffers, and — as for any step, by :meth:`PagedLatentCache.check_fits` — positions within
+        the cache, tables that cover each position inside the pool, slots inside the pool."""
+        if not len(starts) == len(block_tables) == len(slots) == len(token_ids):
+            raise ValueError(f"decode step: {len(token_ids)} tokens, {len(starts)} starts, {len(block_tables)} tables, "
+                             f"{len(slots)} slots")
+        for b, (t, table) in enumerate(zip(token_ids, block_tables)):
             if not 0 <= t < self.vocab:
                 raise ValueError(f"decode entry {b}: token id {t} outside the vocabulary [0, {self.vocab})")
-            if not 0 <= s < c.max_len:
-                raise ValueError(f"decode entry {b}: position {s} outside the cache's 0..{c.max_len - 1}")
-            if len(table) * c.block_size <= s or len(table) > self.width or not all(0 <= x < c.num_blocks for x in table):
-                raise IndexError(f"decode entry {b}: block table {tuple(table)} does not place position {s} in the pool "
-                                 f"of {c.num_blocks} blocks of {c.block_size}")
-            if not 0 <= slot < c.num_blocks * c.block_size:
-                raise IndexError(f"decode entry {b}: slot {slot} outside the pool's {c.num_blocks * c.block_size} rows")
+            if len(table) > self.width:
+                raise ValueError(f"decode entry {b}: a table of {len(table)} blocks; the buffers hold {self.width}")
+        self.cache.check_fits(PagedBatch(tuple(starts), (1,) * len(starts), tuple(map(tuple, block_tables)),
+                                         self.cache.block_size, tuple(slots), decode=True))
 
     def _forward(self, buffers: DecodeBuffers, batch: StaticDecodeBatch) -> torch.Tensor:
         return self.model.compute_logits(self.model(buffers.input_ids, batch, self.cache))

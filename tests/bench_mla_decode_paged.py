@@ -62,23 +62,20 @@ def main() -> int:
 
         want = mla_decode_paged_reference(q, pools[0], table, lengths, BLOCK, SCALE, DL)
         tol = 4 * 2.0**-8 * pools[0].abs().max().float().item()  # tests/test_mla_decode_gpu.py's bound
-        balanced, workers_sweep = {}, {}
-        for stages in STAGES:
-            balanced[stages] = benchmark.time_cuda_graph(lambda: run(stages=stages), calls=max(20, len(pools)))
+
+        def timed(**kw) -> float:
+            """GPU ms of one call with ``kw``, after checking that configuration against the reference."""
+            ms = benchmark.time_cuda_graph(lambda: run(**kw), calls=max(20, len(pools)))
             state["i"] = 0
-            run(stages=stages)
+            run(**kw)
             err = (out - want).abs().max().item()
-            assert err <= tol, f"{name}: balanced, stages {stages}: error {err}"
-            for w in (sms // 2, sms):  # fewer, deeper workers than the default wave: fewer partials to merge
-                workers_sweep[(stages, w)] = benchmark.time_cuda_graph(lambda: run(stages=stages, workers=w),
-                                                                      calls=max(20, len(pools)))
-                state["i"] = 0
-                run(stages=stages, workers=w)
-                assert (out - want).abs().max().item() <= tol, f"{name}: balanced, {w} workers wrong"
-        uniform = benchmark.time_cuda_graph(lambda: run(schedule="uniform"), calls=max(20, len(pools)))
-        state["i"] = 0
-        run(schedule="uniform")
-        assert (out - want).abs().max().item() <= tol, f"{name}: uniform wrong"
+            assert err <= tol, f"{name}, {kw}: error {err}"
+            return ms
+
+        balanced = {stages: timed(stages=stages) for stages in STAGES}
+        # fewer, deeper workers than the default wave: fewer partials to merge
+        workers_sweep = {(stages, w): timed(stages=stages, workers=w) for stages in STAGES for w in (sms // 2, sms)}
+        uniform = timed(schedule="uniform")
         _, copy_bw = copy_bandwidth(pools, num_blocks * BLOCK * (DL + DR) * 2)
         best = min(balanced, key=balanced.get)
         frac = {k: nbytes / (v * 1e-3) / copy_bw for k, v in balanced.items()}

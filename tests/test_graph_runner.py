@@ -59,20 +59,18 @@ def test_runner_needs_a_gpu_and_refuses_what_the_graph_cannot_check():
     with pytest.raises(ValueError, match="need the model and cache on a GPU"):
         DecodeGraphRunner(None, cpu_cache)
 
-    class FakeCache:  # the runner's checks only read these
-        max_len, block_size, num_blocks = 64, 16, 4
-        rows = torch.empty(0, device="meta")
-
-    runner = DecodeGraphRunner.__new__(DecodeGraphRunner)
-    runner.cache, runner.width, runner.vocab = FakeCache, 4, 100
+    runner = DecodeGraphRunner.__new__(DecodeGraphRunner)  # its checks, without a GPU
+    runner.cache = PagedLatentCache(TINY, num_blocks=4, block_size=16, dtype=torch.float32, device="cpu", max_len=64)
+    runner.width, runner.vocab = 4, 100
     good = ([1], [20], [(0, 1)], [17])
     runner.check(*good)
     for bad, message in [
         (([100], [20], [(0, 1)], [17]), "token id 100 outside the vocabulary"),
-        (([1], [64], [(0, 1, 2, 3)], [17]), "position 64 outside the cache's 0..63"),
-        (([1], [20], [(0,)], [17]), r"block table \(0,\) does not place position 20"),
-        (([1], [20], [(0, 9)], [17]), r"block table \(0, 9\) does not place position 20"),
-        (([1], [20], [(0, 1)], [64]), "slot 64 outside the pool's 64 rows"),
+        (([1], [64], [(0, 1, 2, 3)], [17]), "needs 65 cached tokens; the cache holds 64"),
+        (([1], [20], [(0,)], [17]), "has 21 tokens but its block table only 1 blocks"),
+        (([1], [20], [(0, 9)], [17]), r"block table \(0, 9\) outside the pool of 4 blocks"),
+        (([1], [20], [(0, 1)], [64]), "a slot is outside the pool's 64 rows"),
+        (([1], [20], [(0, 1, 2, 3, 0)], [17]), "a table of 5 blocks; the buffers hold 4"),
         (([1, 2], [20], [(0, 1)], [17]), "2 tokens, 1 starts"),
     ]:
         with pytest.raises((ValueError, IndexError), match=message):
