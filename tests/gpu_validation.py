@@ -9,9 +9,11 @@
    at the tensor's edge (tests marked ``cuda_graph`` are left out there: capture cannot allocate
    without the caching allocator; so are tests marked ``heavy``, the large sizes, which the
    sanitizers slow down 10-100 times — the same code paths run there at small sizes); all
-   runs are independent and go side by side, each tool's tests dealt into ``SHARDS`` processes (racecheck leaves out
-   ``large_reference`` tests);
-   only our kernels' errors count (see ``MEMCHECK_SKIP`` and ``RACECHECK_SKIP``);
+   all runs are independent and go side by side, each tool's tests dealt into ``SHARDS`` processes;
+   racecheck leaves out ``large_reference`` tests and runs at most ``RACECHECK_PER_TEST``
+   parametrizations of each test function (see ``spread``); only our kernels' errors count (see
+   ``MEMCHECK_SKIP`` and ``RACECHECK_SKIP``). Every process has a time limit, so the gate fits one
+   10-minute call on the GPU machine, and writes its log under ``$OUT`` as it runs;
 3. a report with the GPU, versions, date, pass/fail counts, sanitizer error counts and a hash of
    ``kernels_cu/`` and the kernel wrappers. ``tests/test_gpu_report.py`` (CPU, in CI) fails when
    the hash no longer matches the sources, so a kernel change cannot land unvalidated.
@@ -32,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SANITIZER_TIMEOUT_S = 420  # per process; a run that needs longer fails the gate instead of hanging the machine
+GPU_TESTS_TIMEOUT_S = 480
 REPORT = ROOT / "tests" / "gpu_validation_report.json"
 
 
@@ -50,20 +53,20 @@ def sources_hash() -> str:
     return h.hexdigest()
 
 
-def run_pytest(args: list[str], junit: Path, prefix: list[str] = (), env=None,
+def run_pytest(args: list[str], junit: Path, log: Path, prefix: list[str] = (), env=None,
                timeout: float | None = None) -> tuple[dict, str]:
-    """Run pytest (optionally under ``prefix``, e.g. compute-sanitizer); counts from its junit file.
-    A run past ``timeout`` seconds is killed and reported with ``"timed_out": True``."""
+    """Run pytest (optionally under ``prefix``, e.g. compute-sanitizer), its output streamed to ``log``
+    (so a run cut short still leaves its log); (counts from its junit file, the log's text). A run
+    past ``timeout`` seconds is killed and reported with ``"timed_out": True``."""
     cmd = [*prefix, sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-q",
            f"--junitxml={junit}", *args]
     counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "timed_out": False}
-    try:
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
-        log = r.stdout + r.stderr
-    except subprocess.TimeoutExpired as e:
-        counts["timed_out"] = True
-        log = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
-        log += f"\n--- killed after {timeout} s\n"
+    with open(log, "w") as f:
+        try:
+            subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            counts["timed_out"] = True
+            f.write(f"\n--- killed after {timeout} s\n")
     if junit.is_file():
         suite = ET.parse(junit).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
@@ -71,11 +74,12 @@ def run_pytest(args: list[str], junit: Path, prefix: list[str] = (), env=None,
         counts.update(failed=int(suite.get("failures")), errors=int(suite.get("errors")),
                       skipped=int(suite.get("skipped")))
         counts["passed"] = total - counts["failed"] - counts["errors"] - counts["skipped"]
-    return counts, log
+    return counts, log.read_text(errors="replace")
 
 
 SANITIZER_MARKERS = "gpu and not cuda_graph and not heavy"
 RACECHECK_MARKERS = SANITIZER_MARKERS + " and not large_reference"
+RACECHECK_PER_TEST = 4  # racecheck must instrument cuBLAS too (below): ~5-10 s per test there
 SHARDS = {"memcheck": 6, "racecheck": 8}  # processes per tool; the sanitizers are bound by the host's cores (16 there)
 # memcheck does not instrument these kernels (they still run): PyTorch's own (ATen), cuBLAS/CUTLASS and
 # cuDNN. That keeps its runs minutes long. racecheck cannot skip them: excluding a cuBLAS kernel from
@@ -120,13 +124,28 @@ def collect(tests: list[str], markers: str) -> list[str]:
     return [line for line in r.stdout.splitlines() if "::" in line]
 
 
-def sanitizer(tool: str, test_ids: list[str], xml: Path, ours: set[str]) -> tuple[dict, str]:
+def spread(test_ids: list[str], per_test: int) -> list[str]:
+    """At most ``per_test`` parametrizations of each test function, evenly spaced over the order
+    pytest collected them in (first and last included), so every test function runs and its
+    parameter grid is sampled from end to end (``per_test`` >= 2)."""
+    groups: dict[str, list[str]] = {}
+    for i in test_ids:
+        groups.setdefault(i.split("[")[0], []).append(i)
+    out = []
+    for ids in groups.values():
+        n = len(ids)
+        picks = sorted({round(k * (n - 1) / (per_test - 1)) for k in range(per_test)}) if n > per_test else range(n)
+        out += [ids[k] for k in picks]
+    return out
+
+
+def sanitizer(tool: str, test_ids: list[str], xml: Path, log: Path, ours: set[str]) -> tuple[dict, str]:
     """``test_ids`` under ``compute-sanitizer --tool tool``: ({"tests": counts, "errors": ...}, log)."""
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", DSV2_BACKEND="cuda")
     prefix = ["compute-sanitizer", f"--tool={tool}", "--target-processes=all", "--error-exitcode=0",
               *(MEMCHECK_SKIP if tool == "memcheck" else RACECHECK_SKIP)]
-    counts, log = run_pytest(test_ids, xml, prefix, env, timeout=SANITIZER_TIMEOUT_S)
-    return {"tests": counts, **sanitizer_errors(tool, log, ours)}, log
+    counts, text = run_pytest(test_ids, xml, log, prefix, env, timeout=SANITIZER_TIMEOUT_S)
+    return {"tests": counts, **sanitizer_errors(tool, text, ours)}, text
 
 
 def summed(runs: list[dict]) -> dict:
@@ -153,27 +172,25 @@ def main() -> int:
     import cupy
     import torch
 
-    out_dir = Path(os.environ.get("OUT", "/tmp"))  # logs; junit files go to a temp dir
-    xml_dir = Path(tempfile.mkdtemp())
+    out_dir = Path(os.environ.get("OUT", "/tmp")) / "gate_logs"  # logs, written as the runs go
+    out_dir.mkdir(parents=True, exist_ok=True)
+    xml_dir = Path(tempfile.mkdtemp())  # junit files
     kernel_tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*_gpu.py"))
     racecheck_tests = shared_memory_tests(kernel_tests)
     ours = our_kernels()
     jobs = []  # (tool, shard of test ids): the tests selected for a tool, dealt round-robin into SHARDS[tool]
-    for tool, files, markers in (("memcheck", kernel_tests, SANITIZER_MARKERS),
-                                 ("racecheck", racecheck_tests, RACECHECK_MARKERS)):
-        ids = collect(files, markers)
+    for tool, ids in (("memcheck", collect(kernel_tests, SANITIZER_MARKERS)),
+                      ("racecheck", spread(collect(racecheck_tests, RACECHECK_MARKERS), RACECHECK_PER_TEST))):
         jobs += [(tool, ids[i::SHARDS[tool]]) for i in range(min(SHARDS[tool], len(ids)))]
     # Every run is independent and the GPU has room for all: the GPU tests and the sanitizer shards go
     # side by side.
     with concurrent.futures.ThreadPoolExecutor(len(jobs) + 1) as pool:
-        gpu_run = pool.submit(run_pytest, ["-m", "gpu", "--durations=30", "tests"], xml_dir / "gpu.xml")
-        runs = [pool.submit(sanitizer, tool, ids, xml_dir / f"{tool}{i}.xml", ours) for i, (tool, ids) in enumerate(jobs)]
-        gpu, log = gpu_run.result()
+        gpu_run = pool.submit(run_pytest, ["-m", "gpu", "--durations=30", "tests"], xml_dir / "gpu.xml",
+                              out_dir / "gpu_tests.log", timeout=GPU_TESTS_TIMEOUT_S)
+        runs = [pool.submit(sanitizer, tool, ids, xml_dir / f"{tool}{i}.xml", out_dir / f"{tool}{i}.log", ours)
+                for i, (tool, ids) in enumerate(jobs)]
+        gpu, _ = gpu_run.result()
         runs = [r.result() for r in runs]
-    (out_dir / "gpu_tests.log").write_text(log)
-    for tool in ("memcheck", "racecheck"):
-        (out_dir / f"sanitizer_{tool}.log").write_text("".join(
-            f"===== shard {i}\n{run_log}" for i, ((k, _), (_, run_log)) in enumerate(zip(jobs, runs)) if k == tool))
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
@@ -183,13 +200,14 @@ def main() -> int:
         "kernel_tests": kernel_tests,
         "memcheck": summed([c for (tool, _), (c, _) in zip(jobs, runs) if tool == "memcheck"]),
         "racecheck_tests": racecheck_tests,
+        "racecheck_per_test": RACECHECK_PER_TEST,
         "racecheck": summed([c for (tool, _), (c, _) in zip(jobs, runs) if tool == "racecheck"]),
         "sources": [str(p.relative_to(ROOT)) for p in kernel_sources()],
         "sources_sha256": sources_hash(),
     }
     REPORT.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
-    ok = (gpu["failed"] == gpu["errors"] == 0 and gpu["passed"] > 0
+    ok = (gpu["failed"] == gpu["errors"] == 0 and gpu["passed"] > 0 and not gpu["timed_out"]
           and all(report[t]["errors"] == 0 and report[t]["tests"]["failed"] == 0 and not report[t]["tests"]["timed_out"]
                   for t in ("memcheck", "racecheck")))
     return 0 if ok else 1

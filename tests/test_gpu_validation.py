@@ -1,5 +1,5 @@
 """The GPU gate's bookkeeping, on the CPU: which kernels are ours, which sanitizer errors count."""
-from gpu_validation import SANITIZER_MARKERS, collect, our_kernels, sanitizer_errors, summed
+from gpu_validation import SANITIZER_MARKERS, collect, our_kernels, sanitizer_errors, spread, summed
 
 VENDOR_RACE = """\
 ....========= Error: Race reported between Read access at nvjet_sm90_hsh_64x8_64x16_4x1_v_bz_TNT+0xb00
@@ -51,3 +51,11 @@ def test_collect_lists_the_sanitizer_tests_without_a_gpu():
     ids = collect(["tests/test_cache_write_gpu.py"], SANITIZER_MARKERS)
     assert ids and all(i.startswith("tests/test_cache_write_gpu.py::") for i in ids)
     assert not any("cuda_graph" in i for i in ids)  # the capture test is marked cuda_graph
+
+
+def test_spread_samples_each_test_function_from_end_to_end():
+    ids = [f"t.py::a[{k}]" for k in range(10)] + ["t.py::b[x]", "t.py::b[y]", "t.py::c"]
+    picked = spread(ids, 4)
+    assert picked[:4] == ["t.py::a[0]", "t.py::a[3]", "t.py::a[6]", "t.py::a[9]"]
+    assert picked[4:] == ["t.py::b[x]", "t.py::b[y]", "t.py::c"]  # functions with few cases keep them all
+    assert spread(ids, 2)[:2] == ["t.py::a[0]", "t.py::a[9]"]
