@@ -1,22 +1,30 @@
 """The GPU validation gate: run on the GPU machine after any change to kernels or their wrappers.
 
-    python tests/gpu_validation.py            # writes tests/gpu_validation_report.json
+    python tests/gpu_validation.py tests        # part 1: pytest -m gpu (~5 min on the H200)
+    python tests/gpu_validation.py sanitizers   # part 2: compute-sanitizer over the kernel tests (~5 min)
+    python tests/gpu_validation.py              # both, one after the other
 
-1. ``pytest -m gpu`` (every GPU test: kernels against references, full-size parity);
-2. ``compute-sanitizer --tool memcheck`` over the kernel tests (``tests/test_*_gpu.py``), and
-   ``--tool racecheck`` over those of kernels that use shared memory, with PyTorch's caching
-   allocator off so that every tensor is its own allocation and an out-of-bounds access is caught
-   at the tensor's edge (tests marked ``cuda_graph`` are left out there: capture cannot allocate
-   without the caching allocator; so are tests marked ``heavy``, the large sizes, which the
-   sanitizers slow down 10-100 times — the same code paths run there at small sizes); all
-   all runs are independent and go side by side, each tool's tests dealt into ``SHARDS`` processes;
-   racecheck leaves out ``large_reference`` tests and runs at most ``RACECHECK_PER_TEST``
-   parametrizations of each test function (see ``spread``); only our kernels' errors count (see
-   ``MEMCHECK_SKIP`` and ``RACECHECK_SKIP``). Every process has a time limit, so the gate fits one
-   10-minute call on the GPU machine, and writes its log under ``$OUT`` as it runs;
-3. a report with the GPU, versions, date, pass/fail counts, sanitizer error counts and a hash of
+Each part fits one 10-minute call on the GPU machine and writes its section of
+tests/gpu_validation_report.json; a section written for other kernel sources is dropped, so the
+report is complete only when both parts ran on the sources being committed.
+
+1. ``tests``: ``pytest -m gpu`` (every GPU test: kernels against references, full-size parity);
+2. ``sanitizers``: ``compute-sanitizer --tool memcheck`` over the kernel tests
+   (``tests/test_*_gpu.py``), and ``--tool racecheck`` over those of kernels that use shared memory,
+   with PyTorch's caching allocator off so that every tensor is its own allocation and an
+   out-of-bounds access is caught at the tensor's edge (tests marked ``cuda_graph`` are left out
+   there: capture cannot allocate without the caching allocator; so are tests marked ``heavy``, the
+   large sizes, which the sanitizers slow down 10-100 times — the same code paths run there at small
+   sizes); the runs go side by side, each tool's tests dealt into ``SHARDS`` processes; racecheck
+   leaves out ``large_reference`` tests and runs at most ``RACECHECK_PER_TEST`` parametrizations of
+   each test function (see ``spread``); only our kernels' errors count (see ``MEMCHECK_SKIP`` and
+   ``RACECHECK_SKIP``). The parts do not share the GPU: measured on the H200, the full-size tests
+   (~100 GB) beside 14 sanitizer processes ran the sanitized tests out of memory and both out of time;
+3. a report with the GPU, versions, dates, pass/fail counts, sanitizer error counts and a hash of
    ``kernels_cu/`` and the kernel wrappers. ``tests/test_gpu_report.py`` (CPU, in CI) fails when
-   the hash no longer matches the sources, so a kernel change cannot land unvalidated.
+   the hash no longer matches the sources or a part is missing, so a kernel change cannot land
+   unvalidated. Every process has a time limit and streams its log to ``$OUT/gate_logs`` (default
+   /tmp/gate_logs), so a run cut short still leaves its evidence.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,8 +42,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SANITIZER_TIMEOUT_S = 420  # per process; a run that needs longer fails the gate instead of hanging the machine
-GPU_TESTS_TIMEOUT_S = 480
+SANITIZER_TIMEOUT_S = 500  # per process; a run that needs longer fails the gate instead of hanging the machine
+GPU_TESTS_TIMEOUT_S = 540
+PARTS = ("tests", "sanitizers")
 REPORT = ROOT / "tests" / "gpu_validation_report.json"
 
 
@@ -62,9 +72,13 @@ def run_pytest(args: list[str], junit: Path, log: Path, prefix: list[str] = (), 
            f"--junitxml={junit}", *args]
     counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "timed_out": False}
     with open(log, "w") as f:
+        # its own process group: on timeout, the sanitizer and the pytest it started both go
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             counts["timed_out"] = True
             f.write(f"\n--- killed after {timeout} s\n")
     if junit.is_file():
@@ -168,13 +182,15 @@ def shared_memory_tests(kernel_tests: list[str]) -> list[str]:
     return [t for t in kernel_tests if uses_shared(t)]
 
 
-def main() -> int:
-    import cupy
-    import torch
+def run_tests(out_dir: Path, xml_dir: Path) -> dict:
+    """Part 1: every GPU test."""
+    gpu, _ = run_pytest(["-m", "gpu", "--durations=30", "tests"], xml_dir / "gpu.xml", out_dir / "gpu_tests.log",
+                        timeout=GPU_TESTS_TIMEOUT_S)
+    return {"gpu_tests": gpu}
 
-    out_dir = Path(os.environ.get("OUT", "/tmp")) / "gate_logs"  # logs, written as the runs go
-    out_dir.mkdir(parents=True, exist_ok=True)
-    xml_dir = Path(tempfile.mkdtemp())  # junit files
+
+def run_sanitizers(out_dir: Path, xml_dir: Path) -> dict:
+    """Part 2: memcheck and racecheck shards, side by side."""
     kernel_tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*_gpu.py"))
     racecheck_tests = shared_memory_tests(kernel_tests)
     ours = our_kernels()
@@ -182,36 +198,62 @@ def main() -> int:
     for tool, ids in (("memcheck", collect(kernel_tests, SANITIZER_MARKERS)),
                       ("racecheck", spread(collect(racecheck_tests, RACECHECK_MARKERS), RACECHECK_PER_TEST))):
         jobs += [(tool, ids[i::SHARDS[tool]]) for i in range(min(SHARDS[tool], len(ids)))]
-    # Every run is independent and the GPU has room for all: the GPU tests and the sanitizer shards go
-    # side by side.
-    with concurrent.futures.ThreadPoolExecutor(len(jobs) + 1) as pool:
-        gpu_run = pool.submit(run_pytest, ["-m", "gpu", "--durations=30", "tests"], xml_dir / "gpu.xml",
-                              out_dir / "gpu_tests.log", timeout=GPU_TESTS_TIMEOUT_S)
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         runs = [pool.submit(sanitizer, tool, ids, xml_dir / f"{tool}{i}.xml", out_dir / f"{tool}{i}.log", ours)
                 for i, (tool, ids) in enumerate(jobs)]
-        gpu, _ = gpu_run.result()
-        runs = [r.result() for r in runs]
-    report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
-        "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-                     "cupy": cupy.__version__, "driver": cupy.cuda.runtime.driverGetVersion()},
-        "gpu_tests": gpu,
-        "kernel_tests": kernel_tests,
-        "memcheck": summed([c for (tool, _), (c, _) in zip(jobs, runs) if tool == "memcheck"]),
-        "racecheck_tests": racecheck_tests,
-        "racecheck_per_test": RACECHECK_PER_TEST,
-        "racecheck": summed([c for (tool, _), (c, _) in zip(jobs, runs) if tool == "racecheck"]),
-        "sources": [str(p.relative_to(ROOT)) for p in kernel_sources()],
-        "sources_sha256": sources_hash(),
-    }
-    REPORT.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
-    ok = (gpu["failed"] == gpu["errors"] == 0 and gpu["passed"] > 0 and not gpu["timed_out"]
-          and all(report[t]["errors"] == 0 and report[t]["tests"]["failed"] == 0 and not report[t]["tests"]["timed_out"]
-                  for t in ("memcheck", "racecheck")))
-    return 0 if ok else 1
+        counts = [r.result()[0] for r in runs]
+    return {"kernel_tests": kernel_tests,
+            "memcheck": summed([c for (tool, _), c in zip(jobs, counts) if tool == "memcheck"]),
+            "racecheck_tests": racecheck_tests,
+            "racecheck_per_test": RACECHECK_PER_TEST,
+            "racecheck": summed([c for (tool, _), c in zip(jobs, counts) if tool == "racecheck"])}
+
+
+def part_ok(report: dict, part: str) -> bool:
+    """Whether ``part`` of the report ran and is clean."""
+    if part == "tests":
+        gpu = report.get("gpu_tests")
+        return bool(gpu) and gpu["failed"] == gpu["errors"] == 0 and gpu["passed"] > 0 and not gpu.get("timed_out")
+    return all(t in report and report[t]["errors"] == 0 and report[t]["tests"]["failed"] == 0
+               and report[t]["tests"]["passed"] > 0 and not report[t]["tests"].get("timed_out")
+               for t in ("memcheck", "racecheck"))
+
+
+def merged(old: dict, part: str, results: dict, env: dict) -> dict:
+    """The report after ``part`` ran: the other part's sections are kept only if they were written
+    for the same kernel sources."""
+    report = dict(old) if old.get("sources_sha256") == env["sources_sha256"] else {}
+    report.update(env)
+    report.update(results)
+    report.setdefault("dates", {})[part] = env["date"]
+    return report
+
+
+def main(parts: list[str]) -> int:
+    import cupy
+    import torch
+
+    if not parts or any(p not in PARTS for p in parts):
+        sys.exit(f"usage: gpu_validation.py [{'|'.join(PARTS)}]...; got {parts}")
+    out_dir = Path(os.environ.get("OUT", "/tmp")) / "gate_logs"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    xml_dir = Path(tempfile.mkdtemp())  # junit files
+    for part in parts:
+        results = (run_tests if part == "tests" else run_sanitizers)(out_dir, xml_dir)
+        env = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(),
+            "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+                         "cupy": cupy.__version__, "driver": cupy.cuda.runtime.driverGetVersion()},
+            "sources": [str(p.relative_to(ROOT)) for p in kernel_sources()],
+            "sources_sha256": sources_hash(),
+        }
+        old = json.loads(REPORT.read_text()) if REPORT.is_file() else {}
+        report = merged(old, part, results, env)
+        REPORT.write_text(json.dumps(report, indent=2) + "\n")
+        print(part, "clean" if part_ok(report, part) else "NOT clean", json.dumps(results, indent=2))
+    return 0 if all(part_ok(report, p) for p in parts) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:] or list(PARTS)))

@@ -1,5 +1,5 @@
 """The GPU gate's bookkeeping, on the CPU: which kernels are ours, which sanitizer errors count."""
-from gpu_validation import SANITIZER_MARKERS, collect, our_kernels, sanitizer_errors, spread, summed
+from gpu_validation import SANITIZER_MARKERS, collect, merged, our_kernels, part_ok, sanitizer_errors, spread, summed
 
 VENDOR_RACE = """\
 ....========= Error: Race reported between Read access at nvjet_sm90_hsh_64x8_64x16_4x1_v_bz_TNT+0xb00
@@ -59,3 +59,28 @@ def test_spread_samples_each_test_function_from_end_to_end():
     assert picked[:4] == ["t.py::a[0]", "t.py::a[3]", "t.py::a[6]", "t.py::a[9]"]
     assert picked[4:] == ["t.py::b[x]", "t.py::b[y]", "t.py::c"]  # functions with few cases keep them all
     assert spread(ids, 2)[:2] == ["t.py::a[0]", "t.py::a[9]"]
+
+
+def _env(sha):
+    return {"date": "d", "gpu": "NVIDIA H200", "versions": {}, "sources": [], "sources_sha256": sha}
+
+
+CLEAN = {"tests": {"passed": 5, "failed": 0, "skipped": 0, "errors": 0, "timed_out": False}, "errors": 0}
+
+
+def test_parts_merge_only_on_the_same_sources():
+    tests = {"gpu_tests": {"passed": 9, "failed": 0, "skipped": 0, "errors": 0, "timed_out": False}}
+    sanitizers = {"memcheck": CLEAN, "racecheck": CLEAN}
+    report = merged(merged({}, "tests", tests, _env("a")), "sanitizers", sanitizers, _env("a"))
+    assert part_ok(report, "tests") and part_ok(report, "sanitizers") and set(report["dates"]) == {"tests", "sanitizers"}
+    # the sources changed between the parts: the first part's result no longer counts
+    report = merged(merged({}, "tests", tests, _env("a")), "sanitizers", sanitizers, _env("b"))
+    assert not part_ok(report, "tests") and part_ok(report, "sanitizers")
+
+
+def test_a_part_that_timed_out_or_ran_nothing_is_not_ok():
+    cut = {"gpu_tests": {"passed": 9, "failed": 0, "skipped": 0, "errors": 0, "timed_out": True}}
+    assert not part_ok(merged({}, "tests", cut, _env("a")), "tests")
+    empty = dict(CLEAN, tests=dict(CLEAN["tests"], passed=0))
+    assert not part_ok({"memcheck": CLEAN, "racecheck": empty}, "sanitizers")
+    assert not part_ok({"memcheck": dict(CLEAN, errors=None), "racecheck": CLEAN}, "sanitizers")
