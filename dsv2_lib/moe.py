@@ -14,12 +14,14 @@ and ``moe_experts`` dispatch to the CUDA kernels of ``kernels_cu/moe.cu`` for CU
 * combine: the weighted sum back to token order, in a fixed order (deterministic), plus the shared
   experts' output.
 
-The GEMV regime has two kernels (``GEMV_KERNEL``): ``"per_choice"``, the first version (one block row
-per (token, choice): an expert chosen by several tokens is read once per choice), and ``"grouped"``
-(default): the choices grouped by expert into work items of up to ``GEMV_TB`` tokens, so every
-selected expert's weights are read once; the shared experts are more work items of the same
-launches. ``MoE.forward`` then runs the whole layer for a few tokens as ``moe_decode``: router GEMM,
-one router+items kernel (which also runs the shared experts' gate|up), gate|up GEMV, down GEMV, combine.
+The GEMV regime has two kernels (``GEMV_KERNEL``): ``"per_choice"`` (default), one block row per
+(token, choice), so an expert chosen by several tokens is read once per choice; and ``"grouped"``:
+the choices grouped by expert into work items of up to ``GEMV_TB`` tokens, so every selected expert's
+weights are read once, the shared experts as more work items of the same launches, and the whole
+layer for a few tokens as ``moe_decode`` (router GEMM, one router+items kernel, gate|up GEMV, down
+GEMV, combine). Measured on the H200 the grouped one is slower at every size it takes (1 ... 16
+tokens: 0.056 vs 0.043 ms at 1 token, 0.38 vs 0.29 at 16, routed experts alone): it stays for
+chapter 08's lesson and for ``tests/bench_moe.py``, which times both.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ GEMV_MAX_TOKENS = 16         # up to this many tokens: the GEMV kernels (32: gro
 GROUPED_MM_MIN_TOKENS = 1    # beyond the GEMV, bf16 always takes torch._grouped_mm (measured faster than mma)
 GROUPED_MM_ALIGN = 8         # rows per expert segment are padded to this for torch._grouped_mm
 FP32_GEMV_MAX_TOKENS = 64    # fp32 has no tensor-core path here: GEMV kernels up to this, the reference beyond
-GEMV_KERNEL = "grouped"      # "grouped" (each selected expert read once) or "per_choice" (the first version)
+GEMV_KERNEL = "per_choice"   # or "grouped" (each selected expert read once): slower on the H200, see above
 GEMV_TB = 8                  # choices per work item of the grouped GEMV (GEMV_TB in moe.cu)
 GEMV_WARPS = 4               # warps per block of the grouped GEMV kernels (1..8: __launch_bounds__(256))
 GEMV_COLS_PER_WARP = 1       # output columns per warp of the grouped GEMV (grid y = cols / (warps * this))

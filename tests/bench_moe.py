@@ -174,20 +174,24 @@ def main() -> None:
         best = min((r[n + "_ms"], n) for n in names if n + "_ms" in r)[1]
         r["fastest"] = best
         print(f"{r['tokens']:>6} " + " ".join(f"{r.get(n + '_ms', float('nan')):>11.4f}" for n in names) + f"  {best}")
-    # thresholds: GEMV up to the last size of the leading run where the grouped GEMV is fastest of all;
-    # beyond it grouped_mm from the first size where it beats mma (bf16)
-    gemv_max = 0
+    # thresholds: GEMV up to the last size of the leading run where a GEMV kernel is fastest of all
+    # (GEMV_KERNEL: the one of the two that wins more of those sizes); beyond it grouped_mm from the
+    # first size where it beats mma (bf16)
+    gemv_max, wins = 0, {"gemv_choice": 0, "gemv": 0}
     for r in sweep:
-        if r["fastest"] != "gemv":
+        if r["fastest"] not in wins:
             break
         gemv_max = r["tokens"]
+        wins[r["fastest"]] += 1
+    gemv_kernel = "per_choice" if wins["gemv_choice"] >= wins["gemv"] else "grouped"
     beyond = [r for r in sweep if r["tokens"] > gemv_max and "grouped_mm_ms" in r]
     mm_min = next((r["tokens"] for i, r in enumerate(beyond)
                    if all(b["grouped_mm_ms"] < b["mma_ms"] for b in beyond[i:])), None)
     if beyond and mm_min == beyond[0]["tokens"]:
         mm_min = 1  # grouped_mm wins at every size the GEMV does not take
-    print(f"recommended: GEMV_MAX_TOKENS = {gemv_max} (the crossover lies between it and the next size measured), "
-          f"GROUPED_MM_MIN_TOKENS = {mm_min} (set now: {moe.GEMV_MAX_TOKENS}, {moe.GROUPED_MM_MIN_TOKENS})")
+    recommended = {"GEMV_MAX_TOKENS": gemv_max, "GEMV_KERNEL": gemv_kernel, "GROUPED_MM_MIN_TOKENS": mm_min}
+    print(f"recommended: {recommended} (a crossover lies between a threshold and the next size measured); "
+          f"set now: {dict(GEMV_MAX_TOKENS=moe.GEMV_MAX_TOKENS, GEMV_KERNEL=moe.GEMV_KERNEL, GROUPED_MM_MIN_TOKENS=moe.GROUPED_MM_MIN_TOKENS)}")
     print("\nthe grouped GEMV's variants, whole layer (ms, GPU time):")
     print(f"{'warps':>5} {'cols/warp':>9} {'shared in router':>16} {'1 token':>9} {'32 tokens':>9}")
     for v in variants:
@@ -209,7 +213,7 @@ def main() -> None:
         "thresholds": {"GEMV_MAX_TOKENS": moe.GEMV_MAX_TOKENS, "GROUPED_MM_MIN_TOKENS": moe.GROUPED_MM_MIN_TOKENS},
         "gemv": {"GEMV_KERNEL": moe.GEMV_KERNEL, "GEMV_WARPS": moe.GEMV_WARPS,
                  "GEMV_COLS_PER_WARP": moe.GEMV_COLS_PER_WARP, "SHARED_IN_ROUTER": moe.SHARED_IN_ROUTER},
-        "layer": rows, "paths": sweep, "gemv_variants": variants, "per_choice_layer": per_choice, "checks": checks, "seconds": time.time() - start,
+        "recommended": recommended, "layer": rows, "paths": sweep, "gemv_variants": variants, "per_choice_layer": per_choice, "checks": checks, "seconds": time.time() - start,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=1))
