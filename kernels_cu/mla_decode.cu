@@ -28,12 +28,13 @@
 // head group) to finish — found with an atomic ticket — merges the splits itself, in the fixed
 // order 0, 1, ... (deterministic), writes `final_out` and resets its counter to 0.
 //
-// Where the time goes (H200, measured): a block's tile loop is serial — wait for tile it, score,
-// reduce across warps, softmax, P·V — so a block keeps only STAGES-1 tiles (37 KB each) in
-// flight. The SM's share of DRAM bandwidth is then (tiles in flight per SM x 37 KB) / latency:
-// STAGES = 2 at 2 blocks per SM plateaus at ~68 % of copy bandwidth. STAGES = 4 or 5 (one block
-// per SM, 150-190 KB of shared memory) keep 3-4 tiles in flight; at batch 1 they also put most
-// of a split's chunk in flight at once, hiding the first tile's latency.
+// Where the time goes (H200, tests/bench_mla_decode.py): a block's tile loop is serial — wait for
+// tile it, score, reduce across warps, softmax, P·V, two block barriers — and it is the SM's work
+// per tile, not the bytes in flight, that sets the pace: the pipeline depth hardly matters
+// (1 x 32768 at 128 splits: 26.7 us at STAGES 2, 26.0 at 4), while a block needs ~2 us per tile
+// (32 splits: 32 tiles in 66 us). With two blocks per SM their phases overlap and an SM finishes a
+// tile every ~1.6 us: 70 % of copy at 64 x 4096. A single long sequence has one block per split,
+// so it gets either one block per SM (36 % of copy) or few tiles per block.
 //
 // Paged (PAGED = true, chapter 13). `cache` is one layer of the paged cache, flat [num_rows, D], and
 // entry b's context position p lives in row block_table[b][p / block_size] * block_size
