@@ -75,6 +75,32 @@ def flops(t: int) -> float:
     return t * (K + S) * 3 * 2 * H * I
 
 
+PATHS = ("gemv_choice", "gemv", "mma", "grouped_mm")  # the per-choice GEMV, the grouped GEMV, our mma GEMM, cuBLAS
+
+
+def recommend(sweep: list[dict]) -> dict:
+    """The thresholds the sweep (routed experts alone, each path forced; rows ``{"tokens", "<path>_ms"}``
+    in increasing tokens, a path absent where it was not run) recommends; sets each row's ``"fastest"``.
+    GEMV up to the last size of the leading run where a GEMV kernel is fastest of all (``GEMV_KERNEL``:
+    the one of the two that wins more of those sizes); beyond it grouped_mm from the first size where
+    it beats mma at every larger size (1: at every size the GEMV does not take)."""
+    for r in sweep:
+        r["fastest"] = min((r[n + "_ms"], n) for n in PATHS if n + "_ms" in r)[1]
+    gemv_max, wins = 0, {"gemv_choice": 0, "gemv": 0}
+    for r in sweep:
+        if r["fastest"] not in wins:
+            break
+        gemv_max = r["tokens"]
+        wins[r["fastest"]] += 1
+    beyond = [r for r in sweep if r["tokens"] > gemv_max and "grouped_mm_ms" in r]
+    mm_min = next((r["tokens"] for i, r in enumerate(beyond)
+                   if all(b["grouped_mm_ms"] < b["mma_ms"] for b in beyond[i:])), None)
+    if beyond and mm_min == beyond[0]["tokens"]:
+        mm_min = 1
+    return {"GEMV_MAX_TOKENS": gemv_max, "GEMV_KERNEL": "per_choice" if wins["gemv_choice"] >= wins["gemv"] else "grouped",
+            "GROUPED_MM_MIN_TOKENS": mm_min}
+
+
 def main() -> None:
     out_dir = Path(os.environ.get("DSV2_RESULTS_DIR", "/tmp"))
     start = time.time()
@@ -167,29 +193,11 @@ def main() -> None:
             faster = r["ours_graph_ms"] < min(r["transformers_ms"], r["baseline_ms"])
             print(f"bar at {r['tokens']:>4} tokens: {name} {val:.2f} {'<=' if name == 'ours/read' else '>='} {bar}: "
                   f"{'MET' if ok else 'FAIL'}; faster than transformers and baseline: {faster}")
-    names = ("gemv_choice", "gemv", "mma", "grouped_mm")
     print("\nrouted experts alone, each path forced (ms, GPU time; gemv_choice = the per-choice GEMV):")
-    print(f"{'tokens':>6} " + " ".join(f"{n:>11}" for n in names) + "  fastest")
+    print(f"{'tokens':>6} " + " ".join(f"{n:>11}" for n in PATHS) + "  fastest")
+    recommended = recommend(sweep)
     for r in sweep:
-        best = min((r[n + "_ms"], n) for n in names if n + "_ms" in r)[1]
-        r["fastest"] = best
-        print(f"{r['tokens']:>6} " + " ".join(f"{r.get(n + '_ms', float('nan')):>11.4f}" for n in names) + f"  {best}")
-    # thresholds: GEMV up to the last size of the leading run where a GEMV kernel is fastest of all
-    # (GEMV_KERNEL: the one of the two that wins more of those sizes); beyond it grouped_mm from the
-    # first size where it beats mma (bf16)
-    gemv_max, wins = 0, {"gemv_choice": 0, "gemv": 0}
-    for r in sweep:
-        if r["fastest"] not in wins:
-            break
-        gemv_max = r["tokens"]
-        wins[r["fastest"]] += 1
-    gemv_kernel = "per_choice" if wins["gemv_choice"] >= wins["gemv"] else "grouped"
-    beyond = [r for r in sweep if r["tokens"] > gemv_max and "grouped_mm_ms" in r]
-    mm_min = next((r["tokens"] for i, r in enumerate(beyond)
-                   if all(b["grouped_mm_ms"] < b["mma_ms"] for b in beyond[i:])), None)
-    if beyond and mm_min == beyond[0]["tokens"]:
-        mm_min = 1  # grouped_mm wins at every size the GEMV does not take
-    recommended = {"GEMV_MAX_TOKENS": gemv_max, "GEMV_KERNEL": gemv_kernel, "GROUPED_MM_MIN_TOKENS": mm_min}
+        print(f"{r['tokens']:>6} " + " ".join(f"{r.get(n + '_ms', float('nan')):>11.4f}" for n in PATHS) + f"  {r['fastest']}")
     print(f"recommended: {recommended} (a crossover lies between a threshold and the next size measured); "
           f"set now: {dict(GEMV_MAX_TOKENS=moe.GEMV_MAX_TOKENS, GEMV_KERNEL=moe.GEMV_KERNEL, GROUPED_MM_MIN_TOKENS=moe.GROUPED_MM_MIN_TOKENS)}")
     print("\nthe grouped GEMV's variants, whole layer (ms, GPU time):")
