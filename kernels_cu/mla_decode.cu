@@ -128,7 +128,6 @@ __device__ __forceinline__ void attend_rows(
     // every lane so that all 32 take part).
     auto load_tile = [&](int it, int buf, long long lane_row) {
         T* dst = sk + buf * TILE * PITCH;
-        const int tok0 = t_begin + it * TILE;
         for (int v0 = 0; v0 < TILE * VEC_PER_ROW; v0 += THREADS) {
             const int v = v0 + threadIdx.x;
             const int r = v / VEC_PER_ROW, c = (v % VEC_PER_ROW) * 8;
@@ -138,7 +137,7 @@ __device__ __forceinline__ void attend_rows(
                 const bool in = v < TILE * VEC_PER_ROW && row >= 0;
                 if (v < TILE * VEC_PER_ROW) cp_async16(dst + r * PITCH + c, rows + (in ? row : 0) * D + c, in ? 16 : 0);
             } else {
-                const int tok = tok0 + r;
+                const int tok = t_begin + it * TILE + r;
                 const bool in = tok < t_end;
                 if (v < TILE * VEC_PER_ROW)
                     cp_async16(dst + r * PITCH + c, rows + (long long)(in ? tok : t_begin) * D + c, in ? 16 : 0);
