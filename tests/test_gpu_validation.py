@@ -84,3 +84,25 @@ def test_a_part_that_timed_out_or_ran_nothing_is_not_ok():
     empty = dict(CLEAN, tests=dict(CLEAN["tests"], passed=0))
     assert not part_ok({"memcheck": CLEAN, "racecheck": empty}, "sanitizers")
     assert not part_ok({"memcheck": dict(CLEAN, errors=None), "racecheck": CLEAN}, "sanitizers")
+
+
+def test_a_run_past_its_time_is_killed_with_everything_it_started(tmp_path):
+    """The timeout kills the whole process group: here pytest runs as a grandchild, under a shell
+    (as it runs under compute-sanitizer), and must not outlive the kill."""
+    import time
+    from pathlib import Path
+
+    from gpu_validation import run_pytest
+
+    pid_file = tmp_path / "pid"
+    test = tmp_path / "test_sleeps.py"
+    test.write_text(f"import os, time\n\ndef test_sleeps():\n    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+                    "    time.sleep(60)\n")
+    start = time.monotonic()
+    counts, log = run_pytest([str(test)], tmp_path / "junit.xml", tmp_path / "log.txt",
+                             prefix=["bash", "-c", '"$@"; true', "--"], timeout=10)
+    assert counts["timed_out"] and "killed after 10 s" in log and time.monotonic() - start < 40
+    stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
+    time.sleep(0.5)
+    # gone, or a zombie (killed; reaping orphans is the job of the machine's init, which may not do it)
+    assert not stat.exists() or stat.read_text().split()[2] == "Z", "the pytest under the shell outlived the timeout"
