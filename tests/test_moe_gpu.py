@@ -201,6 +201,12 @@ def test_bad_ids_are_dropped_not_read(monkeypatch):
 
 
 # ---- the grouped GEMV: work items, variants, the fused decode layer ----------------------------------
+@pytest.fixture
+def grouped_gemv(monkeypatch):
+    """The grouped GEMV and moe_decode: not the engine's default (measured slower), still kept working."""
+    monkeypatch.setattr(moe, "GEMV_KERNEL", "grouped")
+
+
 @pytest.mark.parametrize("t,k,e", [(1, 6, 64), (3, 6, 64), (32, 6, 64), (64, 6, 64), (17, 6, 160), (40, 2, 16)])
 def test_moe_gemv_items_match_reference(t, k, e):
     _, ids = random_choice(t, k, e, seed=t)
@@ -217,6 +223,7 @@ def test_moe_gemv_items_match_reference(t, k, e):
 
 
 @pytest.mark.large_reference
+@pytest.mark.usefixtures("grouped_gemv")
 @pytest.mark.parametrize("warps,cols", [(8, 1), (4, 1), (8, 2), (4, 4), (3, 2)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_grouped_gemv_variants_match_reference(warps, cols, dtype, monkeypatch):
@@ -244,6 +251,7 @@ def lite_layer(dtype, h=2048, i=1408, **kw):
     return layer
 
 
+@pytest.mark.usefixtures("grouped_gemv")
 @pytest.mark.parametrize("size", [pytest.param("lite", marks=pytest.mark.large_reference), "small"])
 @pytest.mark.parametrize("in_router", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -266,6 +274,7 @@ def test_moe_decode_matches_unfused_layer(size, in_router, dtype, monkeypatch):
         assert close(layer(x), want, dtype)
 
 
+@pytest.mark.usefixtures("grouped_gemv")
 def test_moe_decode_group_limited_and_no_shared_experts(monkeypatch):
     cfg = ROUTER_CASES["group_limited"]
     cfg = dataclasses.replace(cfg, hidden_size=256, moe_intermediate_size=64, n_shared_experts=0)
@@ -285,7 +294,9 @@ def test_moe_decode_group_limited_and_no_shared_experts(monkeypatch):
 
 
 @pytest.mark.large_reference
-def test_moe_decode_is_deterministic():
+@pytest.mark.parametrize("kernel", ["per_choice", "grouped"])
+def test_moe_decode_is_deterministic(kernel, monkeypatch):
+    monkeypatch.setattr(moe, "GEMV_KERNEL", kernel)
     layer = lite_layer(torch.bfloat16)
     x = torch.randn(4, 2048, device="cuda").to(torch.bfloat16)
     first = layer(x)
@@ -313,14 +324,16 @@ def test_moe_layer_kernels_match_reference(dtype, monkeypatch):
 
 
 @pytest.mark.cuda_graph
-def test_decode_moe_layer_in_a_cuda_graph():
-    """The 1-token path (router, GEMV, combine, shared MLP) has no host sync: capture, replay on new x."""
+@pytest.mark.parametrize("kernel", ["per_choice", "grouped"])
+def test_decode_moe_layer_in_a_cuda_graph(kernel, monkeypatch):
+    """The few-token paths (router, either GEMV, combine, shared MLP) have no host sync: capture, replay on new x."""
+    monkeypatch.setattr(moe, "GEMV_KERNEL", kernel)
     cfg = dataclasses.replace(TINY, n_routed_experts=64, num_experts_per_tok=6, hidden_size=2048, moe_intermediate_size=1408)
     with default_dtype(torch.bfloat16):
         layer = MoE(cfg).cuda()
     for p in layer.parameters():
         p.data.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
-    for t in (1, 32, 100):  # the fused decode path (grouped GEMV) and a grouped GEMM (moe_align on the GPU)
+    for t in (1, 32, 100):  # the GEMV path, and grouped GEMMs (moe_align on the GPU)
         x = torch.randn(t, 2048, device="cuda").to(torch.bfloat16)
         layer(x)
         graph = torch.cuda.CUDAGraph()
