@@ -67,7 +67,8 @@ def test_write_latent_cache_uses_the_kernel(monkeypatch):
     rows = torch.randn(3, 576, device="cuda").to(torch.bfloat16)
     write_latent_cache(cache, batch, rows)
     assert calls and torch.equal(cache[5], rows[0]) and torch.equal(cache[2], rows[2])
-    assert cache.float().abs().sum() == rows[0].float().abs().sum() + rows[2].float().abs().sum()
+    untouched = [r for r in range(8) if r not in (5, 2)]
+    assert not cache[untouched].any()  # slot -1 wrote nothing, and no other row was written
 
 
 @pytest.mark.cuda_graph
