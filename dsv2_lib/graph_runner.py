@@ -68,10 +68,11 @@ class DecodeBuffers:
         rows[:B, 0] = torch.tensor(token_ids, dtype=torch.int64)
         rows[:B, 1] = torch.tensor(starts, dtype=torch.int64)
         rows[:, 2] = torch.tensor(list(slots) + [-1] * pad, dtype=torch.int64)
-        rows[:B, 3] = torch.tensor(starts, dtype=torch.int64) + 1
+        rows[:B, 3] = rows[:B, 1] + 1
         table = torch.tensor([list(t) + [-1] * (width - len(t)) for t in block_tables] + [[-1] * width] * pad,
                              dtype=torch.int32).view(n, width)
-        rows, table = rows.pin_memory() if self.input_ids.is_cuda else rows, table
+        if self.input_ids.is_cuda:
+            rows = rows.pin_memory()  # page-locked: the four copies below run asynchronously
         self.input_ids.copy_(rows[:, 0], non_blocking=True)
         self.positions.copy_(rows[:, 1], non_blocking=True)
         self.slot_mapping.copy_(rows[:, 2], non_blocking=True)

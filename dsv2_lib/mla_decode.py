@@ -161,12 +161,7 @@ def mla_decode(query: torch.Tensor, cache: torch.Tensor, slots: Sequence[int] | 
         return mla_decode_reference(query, cache, slots, lengths, scale, kv_lora_rank)
     num_slots, max_len, D = cache.shape if cache.dim() == 3 else (0, 0, 0)
     kernels.check(cache, "mla_decode cache", shape=(None, None, None))
-    if query.dim() != 3:
-        raise ValueError(f"mla_decode query: shape {list(query.shape)}, expected [B, h, {D}]")
-    B, H = query.shape[:2]
-    kernels.check(query, "mla_decode query", dtype=cache.dtype, shape=(B, H, D), device=cache.device)
-    if not kernels.aligned16(query, cache):
-        raise ValueError("mla_decode: query and cache must start on 16-byte boundaries (the kernel copies 16-byte vectors)")
+    B = _checked_query(query, cache, D, "mla_decode")
     slots_t, lengths_t, max_length = _entries(slots, lengths, B, num_slots, max_len, max_length, cache.device)
     return _launch(query, cache, kernels.ptr(slots_t), lengths_t, max_length, scale, kv_lora_rank, out, workspace,
                    num_splits, stages, fused, counters, (num_slots, max_len), None)
@@ -368,13 +363,7 @@ def mla_decode_paged(query: torch.Tensor, cache: torch.Tensor, block_table: torc
     if not kernels.use_kernels(query) or not _kernel_applies(cache, kv_lora_rank) or cache.dim() != 2:
         return mla_decode_paged_reference(query, cache, block_table, lengths, block_size, scale, kv_lora_rank)
     kernels.check(cache, "mla_decode_paged cache", shape=(None, None))
-    num_rows, D = cache.shape
-    if query.dim() != 3:
-        raise ValueError(f"mla_decode_paged query: shape {list(query.shape)}, expected [B, h, {D}]")
-    B, H = query.shape[:2]
-    kernels.check(query, "mla_decode_paged query", dtype=cache.dtype, shape=(B, H, D), device=cache.device)
-    if not kernels.aligned16(query, cache):
-        raise ValueError("mla_decode_paged: query and cache must start on 16-byte boundaries (16-byte copies)")
+    B = _checked_query(query, cache, cache.shape[1], "mla_decode_paged")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"mla_decode_paged: block_size must be a positive int, got {block_size!r}")
     if not torch.is_tensor(block_table):
@@ -387,37 +376,19 @@ def mla_decode_paged(query: torch.Tensor, cache: torch.Tensor, block_table: torc
     capacity = width * block_size  # the longest context the table can describe
     if capacity < 1:
         raise ValueError("mla_decode_paged: the block table has no blocks")
-    if torch.is_tensor(lengths):
-        kernels.check(lengths, "mla_decode_paged lengths", dtype=torch.int32, shape=(B,), device=cache.device)
-        if max_length is None:
-            raise ValueError("mla_decode_paged: lengths on the device need max_length, a host bound on them (no sync)")
-        lengths_t = lengths
-    else:
-        lengths = tuple(int(n) for n in lengths)
-        if len(lengths) != B:
-            raise ValueError(f"mla_decode_paged: {len(lengths)} lengths for a batch of {B}")
-        for n in lengths:
-            if not 1 <= n <= capacity:
-                raise ValueError(f"mla_decode_paged: length {n} outside 1..{capacity} "
-                                 f"({width} blocks of {block_size} rows)")
-        bound = max(lengths, default=1)
-        if max_length is not None and max_length < bound:
-            raise ValueError(f"mla_decode_paged: max_length {max_length} is below the longest length {bound}")
-        max_length = max_length or bound
-        lengths_t = _device_lengths(lengths, cache.device)
-    if not 1 <= max_length <= capacity:
-        raise ValueError(f"mla_decode_paged: max_length {max_length} outside 1..{capacity} "
-                         f"({width} blocks of {block_size} rows)")
+    lengths, max_length = _checked_lengths(lengths, B, capacity, max_length, cache.device, "mla_decode_paged",
+                                           f"{width} blocks of {block_size} rows")
+    lengths_t = lengths if torch.is_tensor(lengths) else _device_lengths(lengths, cache.device)
     if schedule == "balanced":
         if (num_splits, fused, counters) != (None, None, None):
             raise ValueError("mla_decode_paged: num_splits, fused and counters are for schedule='uniform'")
         if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
             raise ValueError(f"mla_decode_paged: workers must be an int >= 1, got {workers!r}")
-        return _launch_balanced(query, cache, lengths_t, int(max_length), scale, kv_lora_rank, out, workspace, stages,
+        return _launch_balanced(query, cache, lengths_t, max_length, scale, kv_lora_rank, out, workspace, stages,
                                 block_table, block_size, workers)
     if workers is not None:
         raise ValueError("mla_decode_paged: workers is for schedule='balanced'")
-    return _launch(query, cache, np.uint64(0), lengths_t, int(max_length), scale, kv_lora_rank, out, workspace,
+    return _launch(query, cache, np.uint64(0), lengths_t, max_length, scale, kv_lora_rank, out, workspace,
                    num_splits, stages, fused, counters, (0, 0), (block_table, block_size))
 
 
@@ -460,32 +431,57 @@ def _kernel_applies(cache: torch.Tensor, kv_lora_rank: int) -> bool:
             and (kv_lora_rank, cache.shape[-1] - kv_lora_rank) in SHAPES)
 
 
+def _checked_query(query: torch.Tensor, cache: torch.Tensor, D: int, op: str) -> int:
+    """The batch size of ``query [B, h, D]``, checked against the cache (dtype, device, 16-byte start)."""
+    if query.dim() != 3:
+        raise ValueError(f"{op} query: shape {list(query.shape)}, expected [B, h, {D}]")
+    B, H = query.shape[:2]
+    kernels.check(query, f"{op} query", dtype=cache.dtype, shape=(B, H, D), device=cache.device)
+    if not kernels.aligned16(query, cache):
+        raise ValueError(f"{op}: query and cache must start on 16-byte boundaries (the kernel copies 16-byte vectors)")
+    return B
+
+
+def _checked_lengths(lengths, B: int, capacity: int, max_length: int | None, device, op: str, what: str):
+    """``(lengths, max_length)``: host lengths as a tuple of ints in ``1..capacity``, or an int32 device
+    tensor, which the host cannot read without a sync, so ``max_length`` is then required; and the host
+    bound on them, checked against ``1..capacity`` (``what`` says what bounds it, for the messages)."""
+    if torch.is_tensor(lengths):
+        kernels.check(lengths, f"{op} lengths", dtype=torch.int32, shape=(B,), device=device)
+        if max_length is None:
+            raise ValueError(f"{op}: lengths on the device need max_length, a host bound on them (no sync)")
+    else:
+        lengths = tuple(int(n) for n in lengths)
+        if len(lengths) != B:
+            raise ValueError(f"{op}: {len(lengths)} lengths for a batch of {B}")
+        for n in lengths:
+            if not 1 <= n <= capacity:
+                raise ValueError(f"{op}: length {n} outside 1..{capacity} ({what})")
+        bound = max(lengths, default=1)
+        if max_length is not None and max_length < bound:
+            raise ValueError(f"{op}: max_length {max_length} is below the longest length {bound}")
+        max_length = max_length or bound
+    if not 1 <= max_length <= capacity:
+        raise ValueError(f"{op}: max_length {max_length} outside 1..{capacity} ({what})")
+    return lengths, int(max_length)
+
+
 def _entries(slots, lengths, B: int, num_slots: int, max_len: int, max_length: int | None, device):
     """int32 device tensors of slots and lengths, and the host bound on the lengths, checked."""
     if torch.is_tensor(slots) != torch.is_tensor(lengths):
         raise TypeError("mla_decode: pass slots and lengths both as host sequences or both as device tensors")
+    if not torch.is_tensor(slots) and (len(slots) != B or len(lengths) != B):
+        raise ValueError(f"mla_decode: {len(slots)} slots and {len(lengths)} lengths for a batch of {B}")
+    lengths, max_length = _checked_lengths(lengths, B, max_len, max_length, device, "mla_decode",
+                                           "the cache's rows per slot")
     if torch.is_tensor(slots):
         kernels.check(slots, "mla_decode slots", dtype=torch.int32, shape=(B,), device=device)
-        kernels.check(lengths, "mla_decode lengths", dtype=torch.int32, shape=(B,), device=device)
-        if max_length is None:
-            raise ValueError("mla_decode: lengths on the device need max_length, a host bound on them (no sync)")
-    else:
-        slots, lengths = tuple(int(s) for s in slots), tuple(int(n) for n in lengths)
-        if len(slots) != B or len(lengths) != B:
-            raise ValueError(f"mla_decode: {len(slots)} slots and {len(lengths)} lengths for a batch of {B}")
-        for s, n in zip(slots, lengths):
-            if not 0 <= s < num_slots:
-                raise IndexError(f"mla_decode: slot {s} out of range: the cache has {num_slots} slots")
-            if not 1 <= n <= max_len:
-                raise ValueError(f"mla_decode: length {n} outside 1..{max_len} (the cache's rows per slot)")
-        bound = max(lengths, default=1)
-        if max_length is not None and max_length < bound:
-            raise ValueError(f"mla_decode: max_length {max_length} is below the longest length {bound}")
-        max_length = max_length or bound
-        slots, lengths = _device_entries(slots, lengths, device)
-    if not 1 <= max_length <= max_len:
-        raise ValueError(f"mla_decode: max_length {max_length} outside 1..{max_len} (the cache's rows per slot)")
-    return slots, lengths, int(max_length)
+        return slots, lengths, max_length
+    slots = tuple(int(s) for s in slots)
+    for s in slots:
+        if not 0 <= s < num_slots:
+            raise IndexError(f"mla_decode: slot {s} out of range: the cache has {num_slots} slots")
+    return (*_device_entries(slots, lengths, device), max_length)
 
 
 @functools.lru_cache(maxsize=8)

@@ -129,18 +129,26 @@ __device__ __forceinline__ void route_token(const float* __restrict__ row, int E
     id_out = (mine_id >= 0 && mine_id < E) ? mine_id : -1;
 }
 
-__global__ void topk_softmax(float* __restrict__ weights, long long* __restrict__ ids, const float* __restrict__ logits,
-                             int T, int E, int k, int n_group, int topk_group, int renorm, float scale) {
-    const int lane = threadIdx.x & 31;
-    const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (t >= T) return;  // whole warps leave together (t is uniform over a warp)
+// Route token t (the calling warp) and store its k picks: lane j < k writes pick j to weights/ids
+// [t, j] (and, if s_ids is not nullptr, the id to s_ids[t * k + j]).
+__device__ __forceinline__ void route_and_store(float* __restrict__ weights, long long* __restrict__ ids,
+                                                int* s_ids, const float* __restrict__ logits, int t, int E, int k,
+                                                int n_group, int topk_group, int renorm, float scale, int lane) {
     float w;
     int id;
     route_token(logits + (long long)t * E, E, k, n_group, topk_group, renorm, scale, lane, w, id);
     if (lane < k) {
         weights[(long long)t * k + lane] = w;
         ids[(long long)t * k + lane] = id;
+        if (s_ids != nullptr) s_ids[t * k + lane] = id;
     }
+}
+
+__global__ void topk_softmax(float* __restrict__ weights, long long* __restrict__ ids, const float* __restrict__ logits,
+                             int T, int E, int k, int n_group, int topk_group, int renorm, float scale) {
+    const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (t >= T) return;  // whole warps leave together (t is uniform over a warp)
+    route_and_store(weights, ids, nullptr, logits, t, E, k, n_group, topk_group, renorm, scale, threadIdx.x & 31);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -734,16 +742,8 @@ moe_route_gemv(float* __restrict__ weights, long long* __restrict__ ids, const f
     extern __shared__ int rsmem[];
     int* s_ids = rsmem;
     const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    for (int t = threadIdx.x >> 5; t < T_; t += nw) {
-        float w;
-        int id;
-        route_token(logits + (long long)t * E, E, k, n_group, topk_group, renorm, scale, lane, w, id);
-        if (lane < k) {
-            weights[(long long)t * k + lane] = w;
-            ids[(long long)t * k + lane] = id;
-            s_ids[t * k + lane] = id;
-        }
-    }
+    for (int t = threadIdx.x >> 5; t < T_; t += nw)
+        route_and_store(weights, ids, s_ids, logits, t, E, k, n_group, topk_group, renorm, scale, lane);
     __syncthreads();
     const int n = T_ * k;
     build_items(s_ids, n, E, rsmem + n, rsmem + n + E, rsmem + n + 2 * E, sorted, items, n_items);

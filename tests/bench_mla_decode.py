@@ -160,17 +160,19 @@ def main() -> int:
                   f" {'PASS' if r['bar_met'] else 'FAIL'}; best {100 * r['best_fraction_of_copy']:.1f} %"
                   f" (splits {r['best_splits']}, stages {r['best_stages']}, fused {r['best_fused']})"
                   f" {'PASS' if r['bar_met_by_best'] else 'FAIL'}")
-    record = {
-        "what": "latent MLA decode kernel, bf16, 16 heads x (512 + 64)",
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "bar": ">= 70% of copy bandwidth at 64x4096 and 1x32768", "results": results,
-        "seconds": time.time() - t_start,
-    }
-    path = Path(os.environ.get("DSV2_RESULTS_DIR", "/tmp")) / "bench_mla_decode.json"
+    save("bench_mla_decode.json", "latent MLA decode kernel, bf16, 16 heads x (512 + 64)",
+         ">= 70% of copy bandwidth at 64x4096 and 1x32768", results, t_start)
+    return 0
+
+
+def save(name: str, what: str, bar: str, results: list, t_start: float) -> None:
+    """The benchmark's JSON record (GPU, torch, date, bar, results, seconds) to ``$DSV2_RESULTS_DIR/name``."""
+    record = {"what": what, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "bar": bar, "results": results, "seconds": time.time() - t_start}
+    path = Path(os.environ.get("DSV2_RESULTS_DIR", "/tmp")) / name
     path.write_text(json.dumps(record, indent=1))
     print(f"wrote {path} ({record['seconds']:.0f} s)")
-    return 0
 
 
 if __name__ == "__main__":

@@ -11,16 +11,13 @@ rotated so that L2 cannot serve them. JSON to ``$DSV2_RESULTS_DIR`` (default /tm
 """
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import random
 import sys
 import time
-from pathlib import Path
 
 import torch
-from bench_mla_decode import copy_bandwidth, rotated
+from bench_mla_decode import copy_bandwidth, rotated, save
 
 from dsv2_lib import benchmark
 from dsv2_lib.mla_decode import STAGES, mla_decode_paged, mla_decode_paged_reference
@@ -98,14 +95,8 @@ def main() -> int:
                         "bar": name in BARS, "bar_met": frac[best] >= BAR if name in BARS else None})
         del pools
         torch.cuda.empty_cache()
-    record = {"what": "paged latent MLA decode kernel, bf16, 16 heads x (512 + 64), 16-row blocks",
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "bar": f">= {BAR:.0%} of copy bandwidth at {', '.join(BARS)}", "results": results,
-              "seconds": time.time() - t0}
-    path = Path(os.environ.get("DSV2_RESULTS_DIR", "/tmp")) / "bench_mla_decode_paged.json"
-    path.write_text(json.dumps(record, indent=1))
-    print(f"wrote {path} ({record['seconds']:.0f} s)")
+    save("bench_mla_decode_paged.json", "paged latent MLA decode kernel, bf16, 16 heads x (512 + 64), 16-row blocks",
+         f">= {BAR:.0%} of copy bandwidth at {', '.join(BARS)}", results, t0)
     return 0
 
 
