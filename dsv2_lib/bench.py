@@ -233,8 +233,12 @@ def _version(package: str) -> str | None:
 
 
 def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+    """The measured source's commit, ``+dirty`` when tracked files differ from it (what was measured is
+    then not that commit)."""
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).parent).stdout.strip()
+    try:
+        return git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return None

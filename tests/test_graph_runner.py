@@ -43,6 +43,23 @@ def test_buffers_hold_what_the_paged_batch_derives_and_pad_the_rest():
     assert (buf.block_table[1:] == -1).all() and buf.block_table[0, 0] == 6
 
 
+def test_fill_writes_only_the_columns_in_use_and_leaves_no_stale_block_behind():
+    # a table as wide as a long max_len; steps of changing size and table lengths, as the scheduler makes
+    g = torch.Generator().manual_seed(0)
+    n, width = 8, 640
+    buf = DecodeBuffers.allocate(n, width, "cpu")
+    for _ in range(60):
+        B = int(torch.randint(1, n + 1, (1,), generator=g))
+        lens = torch.randint(1, 40, (B,), generator=g).tolist()
+        tables = [torch.randint(0, 10_000, (k,), generator=g).tolist() for k in lens]
+        buf.fill([1] * B, [16 * k - 1 for k in lens], tables, [t[-1] * 16 + 15 for t in tables])
+        want = torch.full((n, width), -1, dtype=torch.int32)
+        for b, t in enumerate(tables):
+            want[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        assert torch.equal(buf.block_table, want)
+        assert buf.columns == max(lens)
+
+
 def test_static_batch_reads_the_buffers_and_passes_the_model_host_checks():
     cache = PagedLatentCache(TINY, num_blocks=8, block_size=16, dtype=torch.float32, device="cpu", max_len=100)
     buf = DecodeBuffers.allocate(4, -(-100 // 16), "cpu")
