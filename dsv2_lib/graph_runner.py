@@ -66,7 +66,7 @@ class DecodeBuffers:
         Only the table's first ``cols`` columns are written: those this step's tables need and those an
         earlier step left entries in. The table is as wide as the longest context the cache allows
         (10,240 columns for V2-Lite's 163,840 tokens in blocks of 16); building and copying all of it
-        cost ~60 ms of host time per step at batch 128, more than the GPU's whole step.
+        took the host longer than the GPU's whole step at batch 128 (chapter 14).
         """
         n = self.block_table.shape[0]
         B = len(token_ids)
