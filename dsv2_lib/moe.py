@@ -56,6 +56,7 @@ GEMM_N = {"gate_up": 64, "down": 128}  # output columns per block (BN/2 and BN i
 GEMV_ROWS = 16               # output columns per GEMV block (moe.cu)
 MAX_EXPERTS = 256            # 32 lanes x ROUTER_PER_LANE (moe.cu); also bounds moe_align's shared memory
 MAX_TOPK = 32                # one lane per pick in the router
+COMBINE_THREADS = 64         # threads per block of moe_combine (16 bytes of columns each)
 ALIGN_THREADS = 1024         # moe_align runs as one block of 32 warps
 
 MOE_CU = kernels.declare(
@@ -278,7 +279,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     if i2 % 2 or not 0 < k <= e:
         raise ValueError(f"moe_experts: gate_up_proj [E, 2I, H] with 0 < k <= E, got {list(gate_up_proj.shape)}, k={k}")
     if e > MAX_EXPERTS or h % 8 or i % 8 or h * 4 > 48 * 1024 or i * 4 > 48 * 1024 \
-            or not kernels.aligned16(x, gate_up_proj, down_proj) \
+            or not kernels.aligned16(x, gate_up_proj, down_proj) or (shared is not None and not kernels.aligned16(shared)) \
             or (x.dtype == torch.float32 and t > FP32_GEMV_MAX_TOKENS):
         return reference()
     if t == 0:
@@ -402,12 +403,17 @@ def _grouped_mm_experts(x, ids, gate_up_proj, down_proj):
 
 
 def _combine(y, weights, slot_of, shared, ids=None, n_experts=0) -> torch.Tensor:
-    """out [T, H] = round(Σ_j weights[t, j] · y[slot_of[t·k + j]]) (+ shared), one block per token.
-    ``slot_of`` None: y in choice order; ``ids`` given: choices with ids outside [0, E) are skipped."""
+    """out [T, H] = round(Σ_j weights[t, j] · y[slot_of[t·k + j]]) (+ shared); blocks of COMBINE_THREADS
+    threads x 16 bytes of columns, one row of blocks per token. ``slot_of`` None: y in choice order;
+    ``ids`` given: choices with ids outside [0, E) are skipped."""
     t, k = weights.shape
     h = y.shape[1]
     out = torch.empty(t, h, dtype=y.dtype, device=y.device)
-    kernels.launch(MOE_CU.function(f"moe_combine<{CUDA_TYPE[y.dtype]}>", y.device), (t,), (256,),
+    if t == 0 or h == 0:
+        return out
+    cols = COMBINE_THREADS * 16 // y.element_size()
+    kernels.launch(MOE_CU.function(f"moe_combine<{CUDA_TYPE[y.dtype]}>", y.device), (t, -(-h // cols)),
+                   (COMBINE_THREADS,),
                    (kernels.ptr(out), kernels.ptr(y), kernels.ptr(weights),
                     np.uint64(0) if slot_of is None else kernels.ptr(slot_of),
                     np.uint64(0) if shared is None else kernels.ptr(shared), np.int32(k), np.int32(h),
