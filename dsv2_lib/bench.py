@@ -7,7 +7,8 @@ prompts (random token ids, greedy, EOS ignored so every request runs to its leng
 * **prefill** tokens/s at ``B × n`` (default 1 × 512 and 8 × 512): ``B·n`` over the time to the first
   generated token of every request;
 * **decode** tokens/s at batch 1, 8, 32, 128, steady state at context ≈ n: ``B·m`` over the time of
-  ``1 + m`` generated tokens minus the time of 1 — the difference removes the prefill;
+  ``w + m`` generated tokens minus the time of ``w`` — the difference removes the prefill and every
+  step in which some request is still prefilling (``w``: :func:`decode_window_start`);
 * the fraction of chapter 00's roofline each figure reaches (``roofline``), and the peak GPU memory.
 
 Times are medians of ``repeats`` runs after a warm-up run, with the device synchronised around each.
@@ -62,8 +63,9 @@ class Measurement:
     kind: str  # "prefill" or "decode"
     batch: int
     tokens_per_s: float
-    seconds: list[float] = field(default_factory=list)  # the medians: [t(1 token)], or [t(1), t(1 + m)] for decode
+    seconds: list[float] = field(default_factory=list)  # the medians: [t(1 token)], or [t(w), t(w + m)] for decode
     roofline_fraction: float | None = None
+    window_start: int | None = None  # decode: w, the tokens per request generated before the timed window
 
 
 def checkpoint(cfg: BenchConfig) -> Path:
@@ -109,8 +111,26 @@ def _transformers(model, ids: list[list[int]], new_tokens: int) -> None:
     assert out.shape == (len(ids), x.shape[1] + new_tokens)
 
 
-def measure(engine: str, run, cfg: BenchConfig, model_cfg, device: torch.device) -> list[Measurement]:
-    """Prefill and decode measurements of one engine; ``run(ids, new_tokens)`` generates."""
+def decode_window_start(batch: int, prompt_len: int, step_budget: int | None) -> int:
+    """``w``: tokens per request generated before the timed decode window opens.
+
+    An engine that prefills every prompt in one step (transformers; ours without a token budget) has
+    all requests decoding after their first token: ``w = 1``. With chunked prefill the prompts take
+    about ``P = ceil(batch · prompt_len / budget)`` steps (decode tokens share the budget: ``P + 1`` at
+    most while they are few); request group ``g`` produces its first token in step ``g``. A run of
+    ``w >= P`` tokens then has the same ramp-up and ramp-down as a run of ``w + m``, which adds exactly
+    ``m`` steps in which the whole batch decodes. ``t(1 + m) - t(1)`` would count the ramp's smaller,
+    mixed steps as decode steps.
+    """
+    if step_budget is None:
+        return 1
+    return -(-batch * prompt_len // step_budget) + 1
+
+
+def measure(engine: str, run, cfg: BenchConfig, model_cfg, device: torch.device,
+            step_budget: int | None = None) -> list[Measurement]:
+    """Prefill and decode measurements of one engine; ``run(ids, new_tokens)`` generates; ``step_budget``:
+    the engine's tokens per step (chunked prefill), ``None`` if it prefills a batch in one step."""
     out, m = [], cfg.decode_tokens if engine == "ours" else cfg.hf_decode_tokens
     on_h200 = device.type == "cuda"
     for b in cfg.prefill_batches:
@@ -121,11 +141,12 @@ def measure(engine: str, run, cfg: BenchConfig, model_cfg, device: torch.device)
                                tps / roofline.prefill_roofline_tokens_per_s(model_cfg) if on_h200 else None))
     for b in cfg.decode_batches:
         ids = prompts(model_cfg.vocab_size, b, cfg.prompt_len, cfg.seed + b)
-        t1 = _median_seconds(lambda: run(ids, 1), cfg.repeats, device)
-        tm = _median_seconds(lambda: run(ids, 1 + m), cfg.repeats, device)
-        tps = b * m / max(tm - t1, 1e-9)
-        limit = roofline.decode_roofline_tokens_per_s(model_cfg, b, cfg.prompt_len + m // 2)
-        out.append(Measurement(engine, "decode", b, tps, [t1, tm], tps / limit if on_h200 else None))
+        w = decode_window_start(b, cfg.prompt_len, step_budget)
+        tw = _median_seconds(lambda: run(ids, w), cfg.repeats, device)
+        tm = _median_seconds(lambda: run(ids, w + m), cfg.repeats, device)
+        tps = b * m / max(tm - tw, 1e-9)
+        limit = roofline.decode_roofline_tokens_per_s(model_cfg, b, cfg.prompt_len + w + m // 2)
+        out.append(Measurement(engine, "decode", b, tps, [tw, tm], tps / limit if on_h200 else None, w))
     return out
 
 
@@ -148,7 +169,7 @@ def run(cfg: BenchConfig) -> dict:
     peak_reset()
     llm = LLM(path, device=cfg.device, dtype=cfg.dtype, cuda_graphs=cfg.cuda_graphs,
               gpu_memory_utilization=cfg.gpu_memory_utilization if device.type == "cuda" else None)
-    results += measure("ours", lambda ids, n: _ours(llm, ids, n), cfg, model_cfg, device)
+    results += measure("ours", lambda ids, n: _ours(llm, ids, n), cfg, model_cfg, device, llm.max_num_batched_tokens)
     memory["ours"] = peak()
     del llm
     if cfg.transformers:

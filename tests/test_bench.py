@@ -35,3 +35,21 @@ def test_bench_command_line(tmp_path, capsys):
     assert rc == 0 and out.splitlines()[0].split()[:2] == ["batch", "ours"] and "decode" in out
     record = json.loads((tmp_path / "bench.json").read_text())
     assert {r["engine"] for r in record["results"]} == {"ours"} and (tmp_path / "bench.png").is_file()
+
+
+def test_decode_window_opens_when_no_request_is_still_prefilling():
+    from dsv2_lib import LLM, SamplingParams
+
+    assert bench.decode_window_start(128, 512, None) == 1  # one prefill step: decoding from the first token
+    assert bench.decode_window_start(128, 512, 8192) == 9 and bench.decode_window_start(1, 512, 8192) == 2
+    # 4 prompts of 12 tokens, 16 tokens per step: the prompts take 3-4 steps, requests start decoding apart
+    llm = LLM("tiny", device="cpu", max_num_batched_tokens=16)
+    ids = bench.prompts(llm.config.vocab_size, 4, 12, seed=0)
+
+    def steps(n):
+        llm.generate(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), progress=False)
+        return llm.last_stats.scheduler.steps
+
+    m, w = 5, bench.decode_window_start(4, 12, 16)
+    assert steps(w + m) - steps(w) == m  # the window holds m steps, each of the whole batch decoding
+    assert steps(1 + m) - steps(1) > m   # from the first token, the window would also hold the ramp's steps
