@@ -261,7 +261,7 @@ def _out_buffer(out: torch.Tensor | None, B: int, H: int, kv_lora_rank: int, dev
 
 
 def _launch_balanced(query, cache, lengths_t, max_length, scale, kv_lora_rank, out, workspace, stages, table,
-                     block_size, workers=None):
+                     block_size, workers=None, min_tiles=MIN_TILES_PER_SPLIT):
     """The balanced schedule over a paged cache (checked inputs): schedule kernel, workers, combine."""
     B, H, D = query.shape
     stages = _checked_stages(stages)
@@ -275,7 +275,7 @@ def _launch_balanced(query, cache, lengths_t, max_length, scale, kv_lora_rank, o
     groups = -(-H // HEADS_PER_BLOCK)
     wave = max(1, _blocks_per_wave(kernel, smem, cache.device) // groups)  # one wave of blocks in all
     workers = wave if workers is None else workers
-    sched = mla_decode_schedule(lengths_t, max_length, workers)
+    sched = mla_decode_schedule(lengths_t, max_length, workers, min_tiles)
     slots = B + workers - 1  # partial results: slot worker + entry (see the kernel file)
     need = slots * H * (kv_lora_rank + 1)
     if workspace is None:
@@ -338,7 +338,7 @@ def mla_decode_paged(query: torch.Tensor, cache: torch.Tensor, block_table: torc
                      workspace: torch.Tensor | None = None, num_splits: int | None = None,
                      stages: int | None = None, fused: bool | None = None,
                      counters: torch.Tensor | None = None, schedule: str = "balanced",
-                     workers: int | None = None) -> torch.Tensor:
+                     workers: int | None = None, min_tiles: int = MIN_TILES_PER_SPLIT) -> torch.Tensor:
     """:func:`mla_decode` over one layer of the paged cache (chapter 13): ``cache [num_rows, D]`` flat, and
     entry ``b`` attends over its positions ``0 .. lengths[b]-1``, position ``p`` read from row
     ``block_table[b][p // block_size] * block_size + p % block_size`` — no gather copy.
@@ -356,7 +356,9 @@ def mla_decode_paged(query: torch.Tensor, cache: torch.Tensor, block_table: torc
     lengths keep every SM busy and a CUDA graph needs no host bound tighter than the table's; then
     ``num_splits``, ``fused`` and ``counters`` do not apply, and ``workers`` (default: one wave, the SMs
     times the blocks each holds) sets how many blocks share the tiles per head group — fewer, deeper
-    workers write fewer partials. ``"uniform"``: :func:`mla_decode`'s splits.
+    workers write fewer partials — and ``min_tiles`` the fewest 32-row tiles a worker takes (more
+    spread short contexts over more SMs; each worker also writes a partial result of ``H × DL`` fp32).
+    ``"uniform"``: :func:`mla_decode`'s splits.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"mla_decode_paged: schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -382,12 +384,13 @@ def mla_decode_paged(query: torch.Tensor, cache: torch.Tensor, block_table: torc
     if schedule == "balanced":
         if (num_splits, fused, counters) != (None, None, None):
             raise ValueError("mla_decode_paged: num_splits, fused and counters are for schedule='uniform'")
-        if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
-            raise ValueError(f"mla_decode_paged: workers must be an int >= 1, got {workers!r}")
+        for name, v in (("workers", workers), ("min_tiles", min_tiles)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"mla_decode_paged: {name} must be an int >= 1, got {v!r}")
         return _launch_balanced(query, cache, lengths_t, max_length, scale, kv_lora_rank, out, workspace, stages,
-                                block_table, block_size, workers)
-    if workers is not None:
-        raise ValueError("mla_decode_paged: workers is for schedule='balanced'")
+                                block_table, block_size, workers, min_tiles)
+    if workers is not None or min_tiles != MIN_TILES_PER_SPLIT:
+        raise ValueError("mla_decode_paged: workers and min_tiles are for schedule='balanced'")
     return _launch(query, cache, np.uint64(0), lengths_t, max_length, scale, kv_lora_rank, out, workspace,
                    num_splits, stages, fused, counters, (0, 0), (block_table, block_size))
 

@@ -165,11 +165,12 @@ def main() -> int:
     return 0
 
 
-def save(name: str, what: str, bar: str, results: list, t_start: float) -> None:
-    """The benchmark's JSON record (GPU, torch, date, bar, results, seconds) to ``$DSV2_RESULTS_DIR/name``."""
+def save(name: str, what: str, bar: str, results: list, t_start: float, **extra) -> None:
+    """The benchmark's JSON record (GPU, torch, date, bar, results, ``extra`` sections, seconds) to
+    ``$DSV2_RESULTS_DIR/name``."""
     record = {"what": what, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "bar": bar, "results": results, "seconds": time.time() - t_start}
+              "bar": bar, "results": results, **extra, "seconds": time.time() - t_start}
     path = Path(os.environ.get("DSV2_RESULTS_DIR", "/tmp")) / name
     path.write_text(json.dumps(record, indent=1))
     print(f"wrote {path} ({record['seconds']:.0f} s)")

@@ -7,7 +7,8 @@ uniform splits of chapter 10 (its default configuration), and the balanced sched
 pool order (every entry's rows contiguous: what scattering the blocks costs), GPU time from replayed
 CUDA graphs, and compares the cache bytes read per second with a copy of the same bytes. The bar (issue 7): >= 75 %
 of copy at 1 x 32768, 32 x 4096 and 128 x 1024. Pools smaller than 256 MB are replicated and
-rotated so that L2 cannot serve them. JSON to ``$DSV2_RESULTS_DIR`` (default /tmp).
+rotated so that L2 cannot serve them. Then, at the end-to-end bench's contexts (513 rows, batch 1 to
+128), the balanced schedule's ``min_tiles``. JSON to ``$DSV2_RESULTS_DIR`` (default /tmp).
 """
 from __future__ import annotations
 
@@ -20,13 +21,79 @@ import torch
 from bench_mla_decode import copy_bandwidth, rotated, save
 
 from dsv2_lib import benchmark
-from dsv2_lib.mla_decode import STAGES, mla_decode_paged, mla_decode_paged_reference
+from dsv2_lib.mla_decode import MIN_TILES_PER_SPLIT, STAGES, mla_decode_paged, mla_decode_paged_reference
 
 H, DL, DR, SCALE, BLOCK = 16, 512, 64, 0.1147, 16
 BARS = {"1x32768": [32768], "32x4096": [4096] * 32, "128x1024": [1024] * 128}
 _rng = random.Random(0)  # Python's generator: the same lengths under every torch version (chapter 13 prints them)
 EXTRA = {"64x4096": [4096] * 64, "1x4096": [4096], "64 mixed 1..8192": [_rng.randint(1, 8192) for _ in range(64)]}
 BAR = 0.75
+MIN_TILES = (1, 2, 4)  # the serving sweep's smallest tiles per worker (the default is MIN_TILES_PER_SPLIT)
+
+
+class Case:
+    """One batch of ``lengths`` over a paged pool (replicated and rotated past L2): tables over a random
+    permutation of the pool (``table``) and in pool order (``in_order``), and ``timed``."""
+
+    def __init__(self, lengths: list[int], g: torch.Generator, dev: torch.device):
+        self.lengths, B = lengths, len(lengths)
+        self.need = [-(-n // BLOCK) for n in lengths]
+        num_blocks = sum(self.need)
+        self.nbytes = sum(lengths) * (DL + DR) * 2  # cache bytes the kernel reads
+        self.pool_bytes = num_blocks * BLOCK * (DL + DR) * 2
+        self.pools = rotated(lambda: torch.randn(num_blocks * BLOCK, DL + DR, device=dev).to(torch.bfloat16),
+                             self.pool_bytes)
+        self.table = self.as_table(torch.randperm(num_blocks, generator=g).tolist(), dev)
+        self.in_order = self.as_table(list(range(num_blocks)), dev)  # every entry's rows contiguous in the pool
+        self.q = (torch.randn(B, H, DL + DR, device=dev) * 0.1).to(torch.bfloat16)
+        self.lens_t = torch.tensor(lengths, dtype=torch.int32, device=dev)
+        self.out = torch.empty(B, H, DL, device=dev)
+        self.i = 0
+        self.want = {id(t): mla_decode_paged_reference(self.q, self.pools[0], t, lengths, BLOCK, SCALE, DL)
+                     for t in (self.table, self.in_order)}
+        self.tol = 4 * 2.0**-8 * self.pools[0].abs().max().float().item()  # tests/test_mla_decode_gpu.py's bound
+
+    def as_table(self, blocks: list[int], dev) -> torch.Tensor:
+        """Entry b takes the next need[b] blocks of ``blocks``; rows padded with -1."""
+        it = iter(blocks)
+        rows = [[next(it) for _ in range(k)] for k in self.need]
+        return torch.tensor([r + [-1] * (max(self.need) - len(r)) for r in rows], dtype=torch.int32, device=dev)
+
+    def run(self, tab, **kw):
+        pool = self.pools[self.i % len(self.pools)]
+        self.i += 1
+        mla_decode_paged(self.q, pool, tab, self.lens_t, BLOCK, SCALE, DL, max_length=max(self.lengths), out=self.out, **kw)
+
+    def timed(self, tab=None, **kw) -> float:
+        """GPU ms of one call with ``kw``, after checking that configuration against the reference."""
+        tab = self.table if tab is None else tab
+        ms = benchmark.time_cuda_graph(lambda: self.run(tab, **kw), calls=max(20, len(self.pools)))
+        self.i = 0
+        self.run(tab, **kw)
+        err = (self.out - self.want[id(tab)]).abs().max().item()
+        assert err <= self.tol, f"{len(self.lengths)} entries, {kw}: error {err}"
+        return ms
+
+    def fraction(self, ms: float, copy_bw: float) -> float:
+        return self.nbytes / (ms * 1e-3) / copy_bw
+
+
+def serving(dev, g) -> list[dict]:
+    """The contexts of the end-to-end bench (prompt 512 + a token): the balanced schedule's smallest
+    tiles per worker (``min_tiles``), time per layer and for V2-Lite's 27 layers."""
+    print(f"\nserving contexts (513 rows each): µs per call for min_tiles {', '.join(map(str, MIN_TILES))}")
+    rows = []
+    for B in (1, 8, 32, 128):
+        case = Case([513] * B, g, dev)
+        ms = {m: case.timed(min_tiles=m) for m in MIN_TILES}
+        best = min(ms, key=ms.get)
+        print(f"{B:>5} x 513 | " + " ".join(f"{v * 1e3:>7.1f}" for v in ms.values())
+              + f" | best min_tiles {best}: {27 * ms[best]:.2f} ms for 27 layers (default {MIN_TILES_PER_SPLIT}: "
+              f"{27 * ms[MIN_TILES_PER_SPLIT]:.2f})")
+        rows.append({"batch": B, "length": 513, "ms_by_min_tiles": {str(k): v for k, v in ms.items()}, "best": best})
+        del case
+        torch.cuda.empty_cache()
+    return rows
 
 
 def main() -> int:
@@ -39,64 +106,28 @@ def main() -> int:
     print(f"{'batch':>18} {'MB':>7} | {'balanced µs (stages ' + ','.join(map(str, STAGES)) + ')':>36} "
           f"{'% copy':>7} | {'uniform µs':>10} {'% copy':>7} | {'in order µs':>10} {'% copy':>7} | {'copy GB/s':>9}")
     for name, lengths in {**BARS, **EXTRA}.items():
-        B, need = len(lengths), [-(-n // BLOCK) for n in lengths]
-        num_blocks = sum(need)
-        nbytes = sum(lengths) * (DL + DR) * 2  # cache bytes the kernel reads
-        pools = rotated(lambda: torch.randn(num_blocks * BLOCK, DL + DR, device=dev).to(torch.bfloat16),
-                        num_blocks * BLOCK * (DL + DR) * 2)
-        def as_table(blocks: list[int]) -> torch.Tensor:
-            """Entry b takes the next need[b] blocks of ``blocks``; rows padded with -1."""
-            it = iter(blocks)
-            rows = [[next(it) for _ in range(k)] for k in need]
-            return torch.tensor([r + [-1] * (max(need) - len(r)) for r in rows], dtype=torch.int32, device=dev)
-
-        table = as_table(torch.randperm(num_blocks, generator=g).tolist())
-        in_order = as_table(list(range(num_blocks)))  # every entry's rows contiguous in the pool
-        q = (torch.randn(B, H, DL + DR, device=dev) * 0.1).to(torch.bfloat16)
-        lens_t = torch.tensor(lengths, dtype=torch.int32, device=dev)
-        out = torch.empty(B, H, DL, device=dev)
-        state = {"i": 0}
-
-        def run(tab, **kw):
-            pool = pools[state["i"] % len(pools)]
-            state["i"] += 1
-            mla_decode_paged(q, pool, tab, lens_t, BLOCK, SCALE, DL, max_length=max(lengths), out=out, **kw)
-
-        want = {id(t): mla_decode_paged_reference(q, pools[0], t, lengths, BLOCK, SCALE, DL) for t in (table, in_order)}
-        tol = 4 * 2.0**-8 * pools[0].abs().max().float().item()  # tests/test_mla_decode_gpu.py's bound
-
-        def timed(tab=table, **kw) -> float:
-            """GPU ms of one call with ``kw``, after checking that configuration against the reference."""
-            ms = benchmark.time_cuda_graph(lambda: run(tab, **kw), calls=max(20, len(pools)))
-            state["i"] = 0
-            run(tab, **kw)
-            err = (out - want[id(tab)]).abs().max().item()
-            assert err <= tol, f"{name}, {kw}: error {err}"
-            return ms
-
-        balanced = {stages: timed(stages=stages) for stages in STAGES}
-        uniform = timed(schedule="uniform")
-        _, copy_bw = copy_bandwidth(pools, num_blocks * BLOCK * (DL + DR) * 2)
+        case = Case(lengths, g, dev)
+        balanced = {stages: case.timed(stages=stages) for stages in STAGES}
+        uniform = case.timed(schedule="uniform")
+        _, copy_bw = copy_bandwidth(case.pools, case.pool_bytes)
         best = min(balanced, key=balanced.get)
-        # the same kernel over tables in pool order: what scattering the blocks costs
-        ordered = timed(in_order, stages=best)
-        frac = {k: nbytes / (v * 1e-3) / copy_bw for k, v in balanced.items()}
-        frac_u = nbytes / (uniform * 1e-3) / copy_bw
+        ordered = case.timed(case.in_order, stages=best)  # the same kernel over tables in pool order
+        frac = {k: case.fraction(v, copy_bw) for k, v in balanced.items()}
+        frac_u, frac_o = case.fraction(uniform, copy_bw), case.fraction(ordered, copy_bw)
         cells = " ".join(f"{v * 1e3:>7.1f}" for v in balanced.values())
         bar = f"  bar {'PASS' if frac[best] >= BAR else 'FAIL'}" if name in BARS else ""
-        print(f"{name:>18} {nbytes / 1e6:>7.1f} | {cells:>36} {100 * frac[best]:>6.0f}% | {uniform * 1e3:>10.1f}"
-              f" {100 * frac_u:>6.0f}% | {ordered * 1e3:>10.1f} {100 * nbytes / (ordered * 1e-3) / copy_bw:>6.0f}%"
-              f" | {copy_bw / 1e9:>9.0f}{bar}")
-        results.append({"batch": name, "lengths": lengths if len(set(lengths)) > 1 else [lengths[0], B],
-                        "cache_bytes": nbytes, "balanced_ms": {str(k): v for k, v in balanced.items()},
+        print(f"{name:>18} {case.nbytes / 1e6:>7.1f} | {cells:>36} {100 * frac[best]:>6.0f}% | {uniform * 1e3:>10.1f}"
+              f" {100 * frac_u:>6.0f}% | {ordered * 1e3:>10.1f} {100 * frac_o:>6.0f}% | {copy_bw / 1e9:>9.0f}{bar}")
+        results.append({"batch": name, "lengths": lengths if len(set(lengths)) > 1 else [lengths[0], len(lengths)],
+                        "cache_bytes": case.nbytes, "balanced_ms": {str(k): v for k, v in balanced.items()},
                         "best_stages": best, "balanced_fraction_of_copy": frac[best], "uniform_ms": uniform,
-                        "in_order_ms": ordered, "in_order_fraction_of_copy": nbytes / (ordered * 1e-3) / copy_bw,
+                        "in_order_ms": ordered, "in_order_fraction_of_copy": frac_o,
                         "uniform_fraction_of_copy": frac_u, "copy_GBps": copy_bw / 1e9,
                         "bar": name in BARS, "bar_met": frac[best] >= BAR if name in BARS else None})
-        del pools
+        del case
         torch.cuda.empty_cache()
     save("bench_mla_decode_paged.json", "paged latent MLA decode kernel, bf16, 16 heads x (512 + 64), 16-row blocks",
-         f">= {BAR:.0%} of copy bandwidth at {', '.join(BARS)}", results, t0)
+         f">= {BAR:.0%} of copy bandwidth at {', '.join(BARS)}", results, t0, serving=serving(dev, g))
     return 0
 
 

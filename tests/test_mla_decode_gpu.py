@@ -359,9 +359,13 @@ def test_balanced_many_mixed_entries(dtype):
     assert torch.equal(got, mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512))  # deterministic
     for workers in (1, 7, 66):  # one worker walks every entry; a few workers cross many entries each
         assert close(mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512, workers=workers), want, pool, dtype)
+    for min_tiles in (1, 2, 9):  # one tile per worker (more partials than tiles of some entries) .. deep workers
+        assert close(mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512, min_tiles=min_tiles), want, pool, dtype)
     with pytest.raises(ValueError, match="workers must be an int >= 1"):
         mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512, workers=0)
-    with pytest.raises(ValueError, match="workers is for schedule='balanced'"):
+    with pytest.raises(ValueError, match="min_tiles must be an int >= 1"):
+        mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512, min_tiles=0)
+    with pytest.raises(ValueError, match="workers and min_tiles are for schedule='balanced'"):
         mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512, workers=4, schedule="uniform")
 
 
