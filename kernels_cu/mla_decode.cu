@@ -34,7 +34,10 @@
 // (1 x 32768 at 128 splits: 26.7 us at STAGES 2, 26.0 at 4), while a block needs ~2 us per tile
 // (32 splits: 32 tiles in 66 us). With two blocks per SM their phases overlap and an SM finishes a
 // tile every ~1.6 us: 70 % of copy at 64 x 4096. A single long sequence has one block per split,
-// so it gets either one block per SM (36 % of copy) or few tiles per block.
+// so it gets either one block per SM (36 % of copy) or few tiles per block. Nsight Compute (1 x 32768):
+// one warp per scheduler, an instruction issued every 4.1 cycles, stalls mostly on fixed-latency
+// dependencies: the block is bound by issuing its ~1,400 instructions per tile, 40 % of which were
+// the loader's address arithmetic before load_tile copied whole rows per warp.
 //
 // Paged (PAGED = true, chapter 13). `cache` is one layer of the paged cache, flat [num_rows, D], and
 // entry b's context position p lives in row block_table[b][p / block_size] * block_size
@@ -97,7 +100,7 @@ __device__ __forceinline__ void attend_rows(
     constexpr int COLS = DL / WARPS;           // output columns per warp
     constexpr int NT_O = COLS / 8;             // output n-tiles per warp
     constexpr int VEC_PER_ROW = D / 8;         // 16-byte vectors per cache row
-    static_assert(D % 16 == 0 && DL % (16 * WARPS) == 0 && TILE % 16 == 0, "tile shapes");
+    static_assert(D % 16 == 0 && DL % (16 * WARPS) == 0 && TILE % 16 == 0 && TILE % WARPS == 0, "tile shapes");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sk = reinterpret_cast<T*>(smem_raw);                                      // [STAGES][TILE][PITCH]
@@ -123,24 +126,34 @@ __device__ __forceinline__ void attend_rows(
             return -1;
         }
     };
-    // Stage tile `it` of this chunk into buffer `buf`: 32 rows x D/8 vectors, 128 threads. PAGED: row
-    // r's address comes from lane r's `lane_row` (a shuffle; the loop's trip count is the same for
-    // every lane so that all 32 take part).
+    // Stage tile `it` of this chunk into buffer `buf`: warp w copies rows w, w + WARPS, ...; lane l the
+    // row's 16-byte vectors l, l + 32, ... (72 per row for D = 576: two for every lane, a third for lanes
+    // 0-7). Row and column are compile-time offsets from (warp, lane), so a copy costs a few
+    // instructions. (The first loader dealt the tile's 2,304 vectors round-robin over the 128 threads:
+    // a division by 72 per copy and ~30 instructions each, 40 % of a tile's instructions, in a kernel
+    // whose single warp per scheduler is bound by issuing them.) PAGED: row r's address comes from
+    // lane r's `lane_row` (a shuffle with the same source lane for the whole warp).
     auto load_tile = [&](int it, int buf, long long lane_row) {
         T* dst = sk + buf * TILE * PITCH;
-        for (int v0 = 0; v0 < TILE * VEC_PER_ROW; v0 += THREADS) {
-            const int v = v0 + threadIdx.x;
-            const int r = v / VEC_PER_ROW, c = (v % VEC_PER_ROW) * 8;
+#pragma unroll
+        for (int i = 0; i < TILE / WARPS; ++i) {
+            const int r = warp + i * WARPS;
+            const T* src;
+            bool in;
             if constexpr (PAGED) {
-                const long long row = __shfl_sync(0xffffffffu, lane_row, r & (TILE - 1));
                 // a position past the context is masked to -inf below; a bad table entry reads as zeros
-                const bool in = v < TILE * VEC_PER_ROW && row >= 0;
-                if (v < TILE * VEC_PER_ROW) cp_async16(dst + r * PITCH + c, rows + (in ? row : 0) * D + c, in ? 16 : 0);
+                const long long row = __shfl_sync(0xffffffffu, lane_row, r);
+                in = row >= 0;
+                src = rows + (in ? row : 0) * D;
             } else {
                 const int tok = t_begin + it * TILE + r;
-                const bool in = tok < t_end;
-                if (v < TILE * VEC_PER_ROW)
-                    cp_async16(dst + r * PITCH + c, rows + (long long)(in ? tok : t_begin) * D + c, in ? 16 : 0);
+                in = tok < t_end;
+                src = rows + (long long)(in ? tok : t_begin) * D;
+            }
+#pragma unroll
+            for (int j = 0; j < (VEC_PER_ROW + 31) / 32; ++j) {
+                const int c = (lane + 32 * j) * 8;
+                if (c < D) cp_async16(dst + r * PITCH + c, src + c, in ? 16 : 0);
             }
         }
     };

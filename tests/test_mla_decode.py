@@ -186,6 +186,30 @@ def paged_row(table, block_size, num_rows, tok):
     return row if blk >= 0 and row < num_rows else None
 
 
+def stage_tile(cache, slot, tok0, t_end, table=None, block_size=None):
+    """load_tile's copies of the tile at context position ``tok0``: warp w stages rows w, w + WARPS, ...,
+    lane l the row's 8-value vectors l, l + 32, ...; a row past ``t_end`` (or a bad table entry) is the
+    cp.async zero-fill. Checks that the copies write every value of the tile exactly once."""
+    D = cache.shape[-1]
+    tile, writes = np.zeros((TILE, D)), np.zeros((TILE, D), dtype=int)
+    for w in range(WARPS):
+        for i in range(TILE // WARPS):
+            r = w + i * WARPS
+            tok = tok0 + r
+            row = None
+            if tok < t_end:
+                row = cache[slot, tok] if table is None else paged_row(table, block_size, cache.shape[0], tok)
+                row = cache[row] if table is not None and row is not None else row
+            for lane in range(32):
+                for j in range(-(-(D // 8) // 32)):
+                    c = (lane + 32 * j) * 8
+                    if c < D:
+                        tile[r, c : c + 8] = 0.0 if row is None else row[c : c + 8]
+                        writes[r, c : c + 8] += 1
+    assert (writes == 1).all()
+    return tile
+
+
 def emulate_block(q, cache, slot, length, max_length, chunk, split, h0, scale_log2, DL, table=None, block_size=None,
                   t_range=None):
     """One block of mla_decode_split (float64, no rounding): returns (o [H, DL] for heads h0.., lse).
@@ -217,15 +241,7 @@ def emulate_block(q, cache, slot, length, max_length, chunk, split, h0, scale_lo
     l = np.zeros((WARPS, 32, 2))
     for it in range(ntiles):
         tok0 = t_begin + it * TILE
-        tile = np.zeros((TILE, D))
-        for r in range(TILE):
-            if tok0 + r < t_end:
-                if table is None:
-                    tile[r] = cache[slot, tok0 + r]
-                else:
-                    row = paged_row(table, block_size, cache.shape[0], tok0 + r)
-                    if row is not None:  # else the cp.async zero-fill
-                        tile[r] = cache[row]
+        tile = stage_tile(cache, slot, tok0, t_end, table, block_size)
         ss = np.zeros((WARPS, 32, NT_S, 4))
         for w in range(WARPS):
             s = [[[0.0] * 4 for _ in range(NT_S)] for _ in range(32)]
