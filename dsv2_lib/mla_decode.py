@@ -28,6 +28,7 @@ from .kernels import CUDA_TYPE
 from .weights import upcast
 
 HEADS_PER_BLOCK, WARPS, TILE = 16, 4, 32  # kernels_cu/mla_decode.cu: mla::HEADS, WARPS, TILE
+SS_PITCH = TILE // 8 * 4 + 4  # mla::SS_PITCH: floats per lane of the kernel's partial-score exchange
 STAGES = (2, 3, 4, 5)  # pipeline depths compiled (STAGES - 1 tiles of 32 rows in flight per block)
 DEFAULT_STAGES = 2
 # The default policy fuses the combine up to this many splits (one block merges them). Measured on
@@ -496,7 +497,7 @@ def _device_entries(slots: tuple[int, ...], lengths: tuple[int, ...], device) ->
 
 def _shared_bytes(stages: int, D: int, dtype: torch.dtype) -> int:
     """Dynamic shared memory of the split kernel: row buffers (pitch D + 8) and the partial scores."""
-    return stages * TILE * (D + 8) * dtype.itemsize + WARPS * (TILE // 8) * 4 * 32 * 4
+    return stages * TILE * (D + 8) * dtype.itemsize + WARPS * 32 * SS_PITCH * 4
 
 
 @functools.cache

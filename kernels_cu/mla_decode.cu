@@ -80,6 +80,7 @@ constexpr int HEADS = 16;  // heads per block: the M of the MMA
 constexpr int WARPS = 4;
 constexpr int THREADS = WARPS * 32;
 constexpr int TILE = 32;   // cache rows per pipeline stage
+constexpr int SS_PITCH = TILE / 8 * 4 + 4;  // floats per lane of the partial-score exchange: 16 + 4 of padding
 }  // namespace mla
 
 // Attend rows [t_begin, t_end) of entry b (t_end <= its length) with heads h0 .. h0+15 and write
@@ -104,7 +105,7 @@ __device__ __forceinline__ void attend_rows(
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sk = reinterpret_cast<T*>(smem_raw);                                      // [STAGES][TILE][PITCH]
-    float* ss = reinterpret_cast<float*>(smem_raw + sizeof(T) * STAGES * TILE * PITCH);  // [WARPS][NT_S*4][32]
+    float* ss = reinterpret_cast<float*>(smem_raw + sizeof(T) * STAGES * TILE * PITCH);  // [WARPS][32][SS_PITCH]
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 
     const int ntiles = t_end > t_begin ? (t_end - t_begin + TILE - 1) / TILE : 0;
@@ -222,21 +223,27 @@ __device__ __forceinline__ void attend_rows(
             }
         }
         // ---- sum the WARPS partial tiles (same order in every warp: identical S everywhere) ----
+        // A lane's 16 partials are contiguous (float4 stores and loads); lanes SS_PITCH floats apart,
+        // so the 8 lanes of each 128-bit access phase hit 8 different groups of 4 banks.
+        float* my_ss = ss + (warp * 32 + lane) * SS_PITCH;
 #pragma unroll
         for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) ss[(warp * NT_S * 4 + j * 4 + e) * 32 + lane] = s[j][e];
+            *reinterpret_cast<float4*>(my_ss + 4 * j) = make_float4(s[j][0], s[j][1], s[j][2], s[j][3]);
         __syncthreads();
 #pragma unroll
-        for (int j = 0; j < NT_S; ++j)
+        for (int j = 0; j < NT_S; ++j) {
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) {
+                const float4 v = *reinterpret_cast<const float4*>(ss + (w * 32 + lane) * SS_PITCH + 4 * j);
+                acc[0] += v.x; acc[1] += v.y; acc[2] += v.z; acc[3] += v.w;
+            }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float acc = 0.f;
-#pragma unroll
-                for (int w = 0; w < WARPS; ++w) acc += ss[(w * NT_S * 4 + j * 4 + e) * 32 + lane];
                 const int tok = tok0 + 8 * j + 2 * t + (e & 1);
-                s[j][e] = tok < t_end ? acc * scale_log2 : minus_inf();
+                s[j][e] = tok < t_end ? acc[e] * scale_log2 : minus_inf();
             }
+        }
 
         // ---- online softmax (rows g: e = 0, 1; rows g+8: e = 2, 3) ----------------------------
         float mx0 = minus_inf(), mx1 = minus_inf();
@@ -265,10 +272,12 @@ __device__ __forceinline__ void attend_rows(
             pa[j >> 1][(j & 1) * 2 + 0] = pack2<T>(p0, p1);
             pa[j >> 1][(j & 1) * 2 + 1] = pack2<T>(p2, p3);
         }
+        if (__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) {  // once the maxima settle, x * 1 is skipped
 #pragma unroll
-        for (int n = 0; n < NT_O; ++n) {
-            o[n][0] *= alpha0; o[n][1] *= alpha0;
-            o[n][2] *= alpha1; o[n][3] *= alpha1;
+            for (int n = 0; n < NT_O; ++n) {
+                o[n][0] *= alpha0; o[n][1] *= alpha0;
+                o[n][2] *= alpha1; o[n][3] *= alpha1;
+            }
         }
 
         // ---- O[:, this warp's columns] += P . V ------------------------------------------------
@@ -309,7 +318,7 @@ __device__ __forceinline__ void attend_rows(
 
 // Dynamic shared memory of mla_decode_split / mla_decode_balanced<T, DL, DR, STAGES> (keep in sync
 // with mla_decode.py): STAGES * TILE rows of PITCH = D + 8 elements (the 16-byte pad puts the 8 rows
-// an ldmatrix reads in 8 different bank groups), then WARPS x 16 x 32 fp32 partial scores.
+// an ldmatrix reads in 8 different bank groups), then WARPS x 32 lanes x SS_PITCH fp32 partial scores.
 //
 // Uniform split-KV: block (split, b, head group) attends chunk [split * chunk, (split + 1) * chunk)
 // of entry b's context.
