@@ -25,6 +25,8 @@ chapter 08's lesson and for ``tests/bench_moe.py``, which times both.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -50,6 +52,7 @@ GEMV_TB = 8                  # choices per work item of the grouped GEMV (GEMV_T
 GEMV_WARPS = 4               # warps per block of the grouped GEMV kernels (1..8: __launch_bounds__(256))
 GEMV_COLS_PER_WARP = 1       # output columns per warp of the grouped GEMV (grid y = cols / (warps * this))
 SHARED_IN_ROUTER = False     # moe_decode: the shared experts' gate|up runs in the router kernel's launch
+SHARED_GEMV = True           # per-choice path: the shared MLP through the GEMV kernels up to GEMV_MAX_TOKENS
 ROUTER_THREADS = 256         # block of moe_route_gemv (block 0 routes, one warp per token; the rest: shared gate|up)
 TILE_M = 64                  # rows per tile of our grouped GEMM (BM in moe.cu)
 GEMM_N = {"gate_up": 64, "down": 128}  # output columns per block (BN/2 and BN in moe.cu)
@@ -295,6 +298,31 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     return _combine(y, weights, slot_of, shared)
 
 
+def shared_experts(x: torch.Tensor, mlp: MLP) -> torch.Tensor:
+    """The shared experts' SwiGLU MLP on ``x [T, H]``. For a decode-sized batch on the kernel path it is
+    one more expert for the per-choice GEMV kernels — ``gate_up [2·S·I, H]`` has an expert's layout
+    (gate rows, then up rows) with intermediate ``S·I`` — instead of cuBLAS's two GEMVs and the
+    activation kernel: two launches, and the weights streamed by the whole GPU. Same rounding points
+    as :class:`MLP` (gate|up output, SwiGLU output, down output)."""
+    gate_up, down = mlp.gate_up_proj.weight, mlp.down_proj.weight
+    t, (i2, h) = x.shape[0], gate_up.shape
+    limit = FP32_GEMV_MAX_TOKENS if x.dtype == torch.float32 else GEMV_MAX_TOKENS
+    if not (SHARED_GEMV and kernels.use_kernels(x) and x.dtype in CUDA_TYPE and x.dim() == 2 and 0 < t <= limit
+            and gate_up.dtype == down.dtype == x.dtype and down.shape == (h, i2 // 2) and x.shape[1] == h
+            and h % 8 == 0 and (i2 // 2) % 8 == 0 and 4 * max(h, i2 // 2) <= 48 * 1024
+            and x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()
+            and kernels.aligned16(x, gate_up, down)):
+        return mlp(x)
+    return _gemv_experts(x, _zero_ids(t, x.device), gate_up[None], down[None])
+
+
+@functools.lru_cache(maxsize=16)
+def _zero_ids(t: int, device) -> torch.Tensor:
+    """``[t, 1]`` int64 zeros: every token's one choice is expert 0 (made once per size, outside any graph
+    capture: a decode graph is captured after a warm-up step of the same size)."""
+    return torch.zeros(t, 1, dtype=torch.int64, device=device)
+
+
 def _gemv_experts(x, ids, gate_up_proj, down_proj) -> torch.Tensor:
     """y [T·k, H] in choice order: two GEMV launches, blocks = choices x slabs of 16 output columns."""
     (t, k), (e, i2, h) = ids.shape, gate_up_proj.shape
@@ -522,5 +550,5 @@ class MoE(nn.Module):
         if _decode_applies(x, self.cfg, shared_w) and logits.dtype == torch.float32:
             return moe_decode(x, logits, self.cfg, self.experts.gate_up_proj, self.experts.down_proj, shared_w)
         weights, ids = topk_softmax(logits, self.cfg)
-        shared = sh(x) if sh is not None else None
+        shared = None if sh is None else shared_experts(x, sh)
         return moe_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, shared)
