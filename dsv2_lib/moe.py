@@ -25,8 +25,6 @@ chapter 08's lesson and for ``tests/bench_moe.py``, which times both.
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -52,7 +50,6 @@ GEMV_TB = 8                  # choices per work item of the grouped GEMV (GEMV_T
 GEMV_WARPS = 4               # warps per block of the grouped GEMV kernels (1..8: __launch_bounds__(256))
 GEMV_COLS_PER_WARP = 1       # output columns per warp of the grouped GEMV (grid y = cols / (warps * this))
 SHARED_IN_ROUTER = False     # moe_decode: the shared experts' gate|up runs in the router kernel's launch
-SHARED_GEMV = True           # per-choice path: the shared MLP through the GEMV kernels up to GEMV_MAX_TOKENS
 ROUTER_THREADS = 256         # block of moe_route_gemv (block 0 routes, one warp per token; the rest: shared gate|up)
 TILE_M = 64                  # rows per tile of our grouped GEMM (BM in moe.cu)
 GEMM_N = {"gate_up": 64, "down": 128}  # output columns per block (BN/2 and BN in moe.cu)
@@ -298,44 +295,37 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     return _combine(y, weights, slot_of, shared)
 
 
-def shared_experts(x: torch.Tensor, mlp: MLP) -> torch.Tensor:
-    """The shared experts' SwiGLU MLP on ``x [T, H]``. For a decode-sized batch on the kernel path it is
-    one more expert for the per-choice GEMV kernels — ``gate_up [2·S·I, H]`` has an expert's layout
-    (gate rows, then up rows) with intermediate ``S·I`` — instead of cuBLAS's two GEMVs and the
-    activation kernel: two launches, and the weights streamed by the whole GPU. Same rounding points
-    as :class:`MLP` (gate|up output, SwiGLU output, down output)."""
-    gate_up, down = mlp.gate_up_proj.weight, mlp.down_proj.weight
-    t, (i2, h) = x.shape[0], gate_up.shape
-    limit = FP32_GEMV_MAX_TOKENS if x.dtype == torch.float32 else GEMV_MAX_TOKENS
-    if not (SHARED_GEMV and kernels.use_kernels(x) and x.dtype in CUDA_TYPE and x.dim() == 2 and 0 < t <= limit
-            and gate_up.dtype == down.dtype == x.dtype and down.shape == (h, i2 // 2) and x.shape[1] == h
-            and h % 8 == 0 and (i2 // 2) % 8 == 0 and 4 * max(h, i2 // 2) <= 48 * 1024
-            and x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()
-            and kernels.aligned16(x, gate_up, down)):
-        return mlp(x)
-    return _gemv_experts(x, _zero_ids(t, x.device), gate_up[None], down[None])
-
-
-@functools.lru_cache(maxsize=16)
-def _zero_ids(t: int, device) -> torch.Tensor:
-    """``[t, 1]`` int64 zeros: every token's one choice is expert 0 (made once per size, outside any graph
-    capture: a decode graph is captured after a warm-up step of the same size)."""
-    return torch.zeros(t, 1, dtype=torch.int64, device=device)
-
-
 def _gemv_experts(x, ids, gate_up_proj, down_proj) -> torch.Tensor:
     """y [T·k, H] in choice order: two GEMV launches, blocks = choices x slabs of 16 output columns."""
-    (t, k), (e, i2, h) = ids.shape, gate_up_proj.shape
-    i, ct = i2 // 2, CUDA_TYPE[x.dtype]
-    hid = torch.empty(t * k, i, dtype=x.dtype, device=x.device)
-    y = torch.empty(t * k, h, dtype=x.dtype, device=x.device)
-    kernels.launch(MOE_CU.function(f"moe_gemv_gate_up<{ct}>", x.device), (t * k, -(-i // GEMV_ROWS)), (256,),
-                   (kernels.ptr(hid), kernels.ptr(x), kernels.ptr(gate_up_proj), kernels.ptr(ids),
-                    np.int32(k), np.int32(e), np.int32(h), np.int32(i)), shared_mem=4 * h)
-    kernels.launch(MOE_CU.function(f"moe_gemv_down<{ct}>", x.device), (t * k, -(-h // GEMV_ROWS)), (256,),
-                   (kernels.ptr(y), kernels.ptr(hid), kernels.ptr(down_proj), kernels.ptr(ids),
-                    np.int32(e), np.int32(h), np.int32(i)), shared_mem=4 * i)
+    return gemv_down(gemv_gate_up(x, gate_up_proj, ids), down_proj, ids)
+
+
+def gemv_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``h [T·k, I]`` (``moe_gemv_gate_up``, inputs already checked): choice ``c = t·k + j`` gets
+    ``silu(x[t] W_g^T) * (x[t] W_u^T)`` of expert ``ids[t, j]``, zeros for an id outside ``[0, E)``.
+    ``ids=None``: one choice per token, expert 0 — the SwiGLU half of a plain MLP (:mod:`~dsv2_lib.gemv`)."""
+    (e, i2, h), (t, k) = gate_up_proj.shape, (x.shape[0], 1) if ids is None else ids.shape
+    hid = torch.empty(t * k, i2 // 2, dtype=x.dtype, device=x.device)
+    kernels.launch(MOE_CU.function(f"moe_gemv_gate_up<{CUDA_TYPE[x.dtype]}>", x.device), (t * k, -(-(i2 // 2) // GEMV_ROWS)),
+                   (256,), (kernels.ptr(hid), kernels.ptr(x), kernels.ptr(gate_up_proj), _ptr_or_null(ids),
+                            np.int32(k), np.int32(e), np.int32(h), np.int32(i2 // 2)), shared_mem=4 * h)
+    return hid
+
+
+def gemv_down(hid: torch.Tensor, down_proj: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``y [C, H]`` (``moe_gemv_down``, inputs already checked): row ``c`` is ``hid[c] W_d^T`` of expert
+    ``ids.flatten()[c]`` in fp32, rounded once; zeros for an id outside ``[0, E)``. ``ids=None``: every
+    row uses expert 0, i.e. a plain GEMV ``hid @ down_proj[0]^T`` (:mod:`~dsv2_lib.gemv`)."""
+    (e, h, i), c = down_proj.shape, hid.shape[0]
+    y = torch.empty(c, h, dtype=hid.dtype, device=hid.device)
+    kernels.launch(MOE_CU.function(f"moe_gemv_down<{CUDA_TYPE[hid.dtype]}>", hid.device), (c, -(-h // GEMV_ROWS)),
+                   (256,), (kernels.ptr(y), kernels.ptr(hid), kernels.ptr(down_proj), _ptr_or_null(ids),
+                            np.int32(e), np.int32(h), np.int32(i)), shared_mem=4 * i)
     return y
+
+
+def _ptr_or_null(t: torch.Tensor | None):
+    return np.uint64(0) if t is None else kernels.ptr(t)
 
 
 def _items_fit(n: int, n_experts: int) -> bool:
@@ -405,7 +395,7 @@ def _gemv_grouped(x, weights, ids, gate_up_proj, down_proj, work, shared=None, s
 
 def _mma_experts(x, ids, gate_up_proj, down_proj):
     """Our grouped tensor-core GEMMs over the TILE_M-padded sorted rows: (y [cap, H], slot_of)."""
-    (t, k), (e, i2, h) = ids.shape, gate_up_proj.shape
+    k, (e, i2, h) = ids.shape[1], gate_up_proj.shape
     i, ct = i2 // 2, CUDA_TYPE[x.dtype]
     sorted_rows, slot_of, tile_expert, _ = moe_align(ids, e, TILE_M)
     tiles = tile_expert.numel()
@@ -550,5 +540,5 @@ class MoE(nn.Module):
         if _decode_applies(x, self.cfg, shared_w) and logits.dtype == torch.float32:
             return moe_decode(x, logits, self.cfg, self.experts.gate_up_proj, self.experts.down_proj, shared_w)
         weights, ids = topk_softmax(logits, self.cfg)
-        shared = None if sh is None else shared_experts(x, sh)
+        shared = sh(x) if sh is not None else None
         return moe_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, shared)

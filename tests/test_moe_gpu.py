@@ -304,26 +304,6 @@ def test_moe_decode_is_deterministic(kernel, monkeypatch):
         assert torch.equal(layer(x), first)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_shared_experts_through_the_gemv_match_the_mlp(dtype, monkeypatch):
-    """V2-Lite's shared MLP (2 x 1408) as one expert of the per-choice GEMV, up to the GEMV's token limit."""
-    from dsv2_lib.mlp import MLP
-
-    with default_dtype(dtype):
-        mlp = MLP(2048, 2816).cuda()
-    for p in mlp.parameters():
-        p.data.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
-    calls, real = [], moe._gemv_experts
-    monkeypatch.setattr(moe, "_gemv_experts", lambda x, ids, *w: calls.append(tuple(ids.shape)) or real(x, ids, *w))
-    limit = moe.FP32_GEMV_MAX_TOKENS if dtype == torch.float32 else moe.GEMV_MAX_TOKENS
-    for t in (1, 5, limit):
-        x = torch.randn(t, 2048, device="cuda").to(dtype)
-        assert close(moe.shared_experts(x, mlp), mlp(x), dtype)
-    assert calls == [(1, 1), (5, 1), (limit, 1)]
-    x = torch.randn(limit + 1, 2048, device="cuda").to(dtype)  # beyond it: the MLP itself
-    assert torch.equal(moe.shared_experts(x, mlp), mlp(x)) and len(calls) == 3
-
-
 # ---- the layer ------------------------------------------------------------------------------------
 @pytest.mark.large_reference
 @pytest.mark.parametrize("dtype", DTYPES)
