@@ -43,8 +43,9 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024): each warp reduces, warp
 // totals go through shared memory, warp 0 reduces those. Every thread gets the total.
-// Call it once per kernel: a second call would overwrite warp_totals while slow warps may still
-// be reading `total` of the first (it would need a __syncthreads() in between).
+// Two barriers per call are enough even for calls in a row: the next call's first barrier cannot
+// complete before every thread has read this call's `total`, and this call's second barrier puts
+// warp 0's reads of warp_totals before any new writes to it.
 __device__ __forceinline__ float block_sum(float x) {
     __shared__ float warp_totals[32];
     __shared__ float total;
