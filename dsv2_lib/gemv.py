@@ -1,9 +1,9 @@
 """Dense projections of decode-sized batches as GEMVs (chapter 14).
 
-At a few tokens a projection is bound by reading its weight once. cuBLAS runs a GEMM kernel whose
-tiles put a small matrix (V2-Lite's are 1–45 MB) on few SMs. The MoE's GEMV kernels (chapter 08)
-give every SM 16 output columns per block and stream their weight rows with 16-byte loads; with one
-expert that every token picks (``ids=None``) they are exactly a dense layer:
+At a few tokens a projection should cost one read of its weight, yet cuBLAS needs 3–6 µs for any of
+V2-Lite's attention projections (2.4–12.6 MB, chapter 05): latency, not bytes. The MoE's GEMV kernels
+(chapter 08) give every SM 16 output columns per block and stream their weight rows with 16-byte
+loads; with one expert that every token picks (``ids=None``) they are exactly a dense layer:
 
 * :func:`linear`: ``y [T, N] = x [T, K] · W [N, K]ᵀ`` (``moe_gemv_down``), fp32 accumulation and one
   rounding, as ``F.linear``;
