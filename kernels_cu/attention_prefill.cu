@@ -255,6 +255,23 @@ __global__ void __launch_bounds__(TILED_THREADS) attention_prefill_tiled(
 constexpr int BK = 64;
 constexpr int K_STRIDE = D_QK + 8, V_STRIDE = D_V + 8;  // padded shared rows, in elements
 
+// Rows k0 .. k0 + BK - 1 of a key slab (`src` at row k0, `stride` elements per row, CHUNKS 16-byte
+// chunks per row) into a shared tile of DST_STRIDE elements per row; rows at or past n_keys are
+// zero-filled. A thread keeps one chunk column and steps down the rows, so each next address is one
+// add away (few registers held across the key loop).
+template <int CHUNKS, int DST_STRIDE, int THREADS, typename T>
+__device__ __forceinline__ void load_rows(T* dst, const T* src, long long stride, int k0, int n_keys) {
+    constexpr int STEP = THREADS / CHUNKS;
+    const int c = threadIdx.x % CHUNKS, j0 = threadIdx.x / CHUNKS;
+    src += j0 * stride + c * 8;
+    dst += j0 * DST_STRIDE + c * 8;
+#pragma unroll 4
+    for (int j = j0; j < BK; j += STEP, src += STEP * stride, dst += STEP * DST_STRIDE) {
+        if (k0 + j < n_keys) cp_async16(dst, src);
+        else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+    }
+}
+
 template <typename T, int NW, bool QS, int ST, int MINB>
 __global__ void __launch_bounds__(32 * NW, MINB) attention_prefill_mma(
     T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k_nope, const T* __restrict__ k_pe,
@@ -280,43 +297,15 @@ __global__ void __launch_bounds__(32 * NW, MINB) attention_prefill_mma(
     const int pos0 = start + q0 + r0, pos1 = pos0 + 8;
 
     // K tile at key k0 -> buffer: 64 keys x 24 chunks of 8 elements (16 chunks of k_nope, 8 of the shared
-    // k_pe); V tile: 64 keys x 16 chunks. A thread keeps one chunk column and steps down the rows, so
-    // each next address is one add away (few registers held across the key loop).
+    // k_pe); V tile: 64 keys x 16 chunks. Each is load_rows (above): a thread keeps one chunk column
+    // and steps down the rows.
     auto load_k = [&](int k0, T* buf) {
-        {
-            constexpr int STEP = THREADS / 16;
-            const int c = threadIdx.x % 16, j0 = threadIdx.x / 16;
-            const T* src = k_nope + (kbeg + k0 + j0) * sk_t + hd * sk_h + c * 8;
-            T* dst = buf + j0 * K_STRIDE + c * 8;
-#pragma unroll 4
-            for (int j = j0; j < BK; j += STEP, src += STEP * sk_t, dst += STEP * K_STRIDE) {
-                if (k0 + j < n_keys) cp_async16(dst, src);
-                else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-            }
-        }
-        {
-            constexpr int STEP = THREADS / 8;
-            const int c = threadIdx.x % 8, j0 = threadIdx.x / 8;
-            const T* src = k_pe + (kbeg + k0 + j0) * spe_t + c * 8;
-            T* dst = buf + j0 * K_STRIDE + D_NOPE + c * 8;
-#pragma unroll 4
-            for (int j = j0; j < BK; j += STEP, src += STEP * spe_t, dst += STEP * K_STRIDE) {
-                if (k0 + j < n_keys) cp_async16(dst, src);
-                else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-            }
-        }
+        load_rows<16, K_STRIDE, THREADS>(buf, k_nope + (kbeg + k0) * sk_t + hd * sk_h, sk_t, k0, n_keys);
+        load_rows<8, K_STRIDE, THREADS>(buf + D_NOPE, k_pe + (kbeg + k0) * spe_t, spe_t, k0, n_keys);
         cp_async_commit();
     };
     auto load_v = [&](int k0, T* buf) {
-        constexpr int STEP = THREADS / 16;
-        const int c = threadIdx.x % 16, j0 = threadIdx.x / 16;
-        const T* src = v + (kbeg + k0 + j0) * sv_t + hd * sv_h + c * 8;
-        T* dst = buf + j0 * V_STRIDE + c * 8;
-#pragma unroll 4
-        for (int j = j0; j < BK; j += STEP, src += STEP * sv_t, dst += STEP * V_STRIDE) {
-            if (k0 + j < n_keys) cp_async16(dst, src);
-            else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-        }
+        load_rows<16, V_STRIDE, THREADS>(buf, v + (kbeg + k0) * sv_t + hd * sv_h, sv_t, k0, n_keys);
         cp_async_commit();
     };
 
