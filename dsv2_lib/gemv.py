@@ -11,8 +11,8 @@ loads; with one expert that every token picks (``ids=None``) they are exactly a 
   the activation), rounded where :class:`~dsv2_lib.mlp.MLP` rounds.
 
 :class:`~dsv2_lib.weights.Linear` and :class:`~dsv2_lib.mlp.MLP` call them for CUDA inputs; where the
-kernels do not apply (more than ``DENSE_GEMV_MAX_TOKENS`` tokens, fp32, shapes they do not take) they
-fall back to ``F.linear``.
+kernels do not apply (more than ``DENSE_GEMV_MAX_TOKENS`` tokens, fp32, shapes they do not take),
+``linear`` is ``F.linear`` and the MLP runs as it does elsewhere.
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels, moe
-from .mlp import silu_and_mul
 
 DENSE_GEMV_MAX_TOKENS = 16  # up to this many rows of x: the GEMV kernels (0: always F.linear)
 
@@ -33,11 +32,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """``x [T, H] -> [T, H]`` through ``gate_up [2I, H]`` (gate rows, then up rows) and ``down [H, I]``."""
-    if not (_rows_ok(x) and _weight_ok(gate_up, x.dtype, x.shape[1]) and gate_up.shape[0] % 2 == 0
-            and _weight_ok(down, x.dtype, gate_up.shape[0] // 2) and down.shape[0] == x.shape[1]):
-        return linear(silu_and_mul(linear(x, gate_up)), down)
+    """``x [T, H] -> [T, H]`` through ``gate_up [2I, H]`` (gate rows, then up rows) and ``down [H, I]``:
+    two GEMV launches, where :func:`swiglu_applies`."""
     return moe.gemv_down(moe.gemv_gate_up(x, gate_up[None]), down[None])
+
+
+def swiglu_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether :func:`swiglu` takes these (else the MLP runs its two projections and the activation)."""
+    return (_rows_ok(x) and _weight_ok(gate_up, x.dtype, x.shape[1]) and gate_up.shape[0] % 2 == 0
+            and _weight_ok(down, x.dtype, gate_up.shape[0] // 2) and down.shape[0] == x.shape[1])
 
 
 def _rows_ok(x: torch.Tensor) -> bool:

@@ -71,7 +71,8 @@ class DecodeBuffers:
         n = self.block_table.shape[0]
         B = len(token_ids)
         pad = n - B
-        cols = max(self.columns, max(map(len, block_tables), default=0))
+        widest = max(map(len, block_tables), default=0)
+        cols = max(self.columns, widest)
         rows = torch.full((n, 4), 0, dtype=torch.int64)
         rows[:B, 0] = torch.tensor(token_ids, dtype=torch.int64)
         rows[:B, 1] = torch.tensor(starts, dtype=torch.int64)
@@ -86,7 +87,7 @@ class DecodeBuffers:
         self.slot_mapping.copy_(rows[:, 2], non_blocking=True)
         self.lengths.copy_(rows[:, 3], non_blocking=True)
         self.block_table[:, :cols].copy_(table, non_blocking=True)
-        self.columns = max(map(len, block_tables), default=0)
+        self.columns = widest
 
 
 @dataclass(frozen=True, eq=False)

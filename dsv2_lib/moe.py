@@ -432,10 +432,8 @@ def _combine(y, weights, slot_of, shared, ids=None, n_experts=0) -> torch.Tensor
     cols = COMBINE_THREADS * 16 // y.element_size()
     kernels.launch(MOE_CU.function(f"moe_combine<{CUDA_TYPE[y.dtype]}>", y.device), (t, -(-h // cols)),
                    (COMBINE_THREADS,),
-                   (kernels.ptr(out), kernels.ptr(y), kernels.ptr(weights),
-                    np.uint64(0) if slot_of is None else kernels.ptr(slot_of),
-                    np.uint64(0) if shared is None else kernels.ptr(shared), np.int32(k), np.int32(h),
-                    np.uint64(0) if ids is None else kernels.ptr(ids), np.int32(n_experts)))
+                   (kernels.ptr(out), kernels.ptr(y), kernels.ptr(weights), _ptr_or_null(slot_of),
+                    _ptr_or_null(shared), np.int32(k), np.int32(h), _ptr_or_null(ids), np.int32(n_experts)))
     return out
 
 

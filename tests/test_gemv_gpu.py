@@ -56,8 +56,11 @@ def test_swiglu_matches_the_mlp(h, i, dtype, monkeypatch):
     gate_up, down = randn(2 * i, h, dtype=dtype, scale=h**-0.5, seed=2), randn(h, i, dtype=dtype, scale=i**-0.5, seed=3)
     for t in (1, 5, gemv.DENSE_GEMV_MAX_TOKENS):
         x = randn(t, h, dtype=dtype, seed=t)
+        assert gemv.swiglu_applies(x, gate_up, down)
         assert close(gemv.swiglu(x, gate_up, down), F.linear(silu_and_mul(F.linear(x, gate_up)), down), dtype)
     assert len(calls) == 3
+    assert not gemv.swiglu_applies(randn(gemv.DENSE_GEMV_MAX_TOKENS + 1, h, dtype=dtype), gate_up, down)
+    assert not gemv.swiglu_applies(randn(1, h, dtype=dtype), gate_up, down[:, : i // 2].contiguous())  # I mismatch
 
 
 def test_where_the_kernel_does_not_apply_it_is_f_linear(monkeypatch):
