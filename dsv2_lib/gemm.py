@@ -2,9 +2,8 @@
 accumulation, the output in the inputs' dtype.
 
 The engine does not use it: its projections call ``torch.nn.functional.linear``, i.e. cuBLAS,
-which runs on the tensor cores and is far faster (chapter 05 measures both), or at decode sizes the
-GEMV kernels of :mod:`~dsv2_lib.gemv`. The kernel is here to show what tiling in shared memory is,
-and how far that idea alone gets.
+which runs on the tensor cores and is far faster (chapter 05 measures both). The kernel is here
+to show what tiling in shared memory is, and how far that idea alone gets.
 """
 from __future__ import annotations
 

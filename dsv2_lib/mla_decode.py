@@ -37,7 +37,11 @@ DEFAULT_STAGES = 2
 # 107.3 vs 100.2), where the last block's serial merge of every split outlasts a second launch.
 FUSED_MAX_SPLITS = 2
 SHAPES = ((512, 64), (64, 16))  # (kv_lora_rank, rope dim) compiled: DeepSeek-V2(-Lite), the tiny model
-MIN_TILES_PER_SPLIT = 4  # a split streams at least 4 × 32 rows (amortises its query load and partial write)
+# A split streams at least this many 32-row tiles. More rows per split would amortise its query load and
+# partial write, but at serving contexts the parallelism matters more: tests/bench_mla_decode_paged.py's
+# sweep at 513 rows (H200, 2026-11-29) took 10.4 / 12.0 / 15.9 µs at batch 1 and 15.1 / 16.6 / 20.0 at
+# batch 8 for 1 / 2 / 4 tiles, and tied (within 0.4 µs) at batch 32 and 128. Long contexts never reach it.
+MIN_TILES_PER_SPLIT = 1
 SCHEDULES = ("balanced", "uniform")  # mla_decode_paged: tiles dealt evenly over a wave of workers, or chunks per entry
 COMBINE_WARPS, COMBINE_COLS = 8, 64  # kernels_cu/mla_decode.cu: block and output columns of mla_decode_combine
 MLA_DECODE_CU = kernels.declare(

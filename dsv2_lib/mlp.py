@@ -82,10 +82,5 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, hidden] -> [T, hidden]``: one GEMM to ``[T, 2I]``, the activation to ``[T, I]``, one GEMM back
-        (on a GPU at decode sizes: two GEMV kernels, :func:`~dsv2_lib.gemv.swiglu`)."""
-        if x.is_cuda:
-            from . import gemv  # here, not at the top: gemv builds on moe, which builds on this module
-            if gemv.swiglu_applies(x, self.gate_up_proj.weight, self.down_proj.weight):
-                return gemv.swiglu(x, self.gate_up_proj.weight, self.down_proj.weight)
+        """``x [T, hidden] -> [T, hidden]``: one GEMM to ``[T, 2I]``, the activation to ``[T, I]``, one GEMM back."""
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

@@ -300,26 +300,24 @@ def _gemv_experts(x, ids, gate_up_proj, down_proj) -> torch.Tensor:
     return gemv_down(gemv_gate_up(x, gate_up_proj, ids), down_proj, ids)
 
 
-def gemv_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``h [T·k, I]`` (``moe_gemv_gate_up``, inputs already checked): choice ``c = t·k + j`` gets
-    ``silu(x[t] W_g^T) * (x[t] W_u^T)`` of expert ``ids[t, j]``, zeros for an id outside ``[0, E)``.
-    ``ids=None``: one choice per token, expert 0 — the SwiGLU half of a plain MLP (:mod:`~dsv2_lib.gemv`)."""
-    (e, i2, h), (t, k) = gate_up_proj.shape, (x.shape[0], 1) if ids is None else ids.shape
+    ``silu(x[t] W_g^T) * (x[t] W_u^T)`` of expert ``ids[t, j]``, zeros for an id outside ``[0, E)``."""
+    (e, i2, h), (t, k) = gate_up_proj.shape, ids.shape
     hid = torch.empty(t * k, i2 // 2, dtype=x.dtype, device=x.device)
     kernels.launch(MOE_CU.function(f"moe_gemv_gate_up<{CUDA_TYPE[x.dtype]}>", x.device), (t * k, -(-(i2 // 2) // GEMV_ROWS)),
-                   (256,), (kernels.ptr(hid), kernels.ptr(x), kernels.ptr(gate_up_proj), _ptr_or_null(ids),
+                   (256,), (kernels.ptr(hid), kernels.ptr(x), kernels.ptr(gate_up_proj), kernels.ptr(ids),
                             np.int32(k), np.int32(e), np.int32(h), np.int32(i2 // 2)), shared_mem=4 * h)
     return hid
 
 
-def gemv_down(hid: torch.Tensor, down_proj: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_down(hid: torch.Tensor, down_proj: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``y [C, H]`` (``moe_gemv_down``, inputs already checked): row ``c`` is ``hid[c] W_d^T`` of expert
-    ``ids.flatten()[c]`` in fp32, rounded once; zeros for an id outside ``[0, E)``. ``ids=None``: every
-    row uses expert 0, i.e. a plain GEMV ``hid @ down_proj[0]^T`` (:mod:`~dsv2_lib.gemv`)."""
+    ``ids.flatten()[c]`` in fp32, rounded once; zeros for an id outside ``[0, E)``."""
     (e, h, i), c = down_proj.shape, hid.shape[0]
     y = torch.empty(c, h, dtype=hid.dtype, device=hid.device)
     kernels.launch(MOE_CU.function(f"moe_gemv_down<{CUDA_TYPE[hid.dtype]}>", hid.device), (c, -(-h // GEMV_ROWS)),
-                   (256,), (kernels.ptr(y), kernels.ptr(hid), kernels.ptr(down_proj), _ptr_or_null(ids),
+                   (256,), (kernels.ptr(y), kernels.ptr(hid), kernels.ptr(down_proj), kernels.ptr(ids),
                             np.int32(e), np.int32(h), np.int32(i)), shared_mem=4 * i)
     return y
 

@@ -422,7 +422,7 @@ moe_gemv_gate_up(T* __restrict__ h, const T* __restrict__ x, const T* __restrict
                  const long long* __restrict__ ids, int topk, int E, int H, int I) {
     extern __shared__ float xs[];
     const int c = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long e = ids ? ids[c] : 0;  // ids = nullptr: every row uses expert 0 (a plain GEMV)
+    const long long e = ids[c];
     const bool valid = e >= 0 && e < E;
     const T* xr = x + (long long)(c / topk) * H;
     for (int i = threadIdx.x; i < H; i += blockDim.x) xs[i] = to_float(xr[i]);
@@ -450,7 +450,7 @@ moe_gemv_down(T* __restrict__ y, const T* __restrict__ h, const T* __restrict__ 
     static_assert(GEMV_COLS_PER_WARP == 2, "one dot2 per warp");
     extern __shared__ float hs[];
     const int c = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long e = ids ? ids[c] : 0;  // ids = nullptr: every row uses expert 0 (a plain GEMV)
+    const long long e = ids[c];
     const bool valid = e >= 0 && e < E;
     const T* hr = h + (long long)c * I;
     for (int i = threadIdx.x; i < I; i += blockDim.x) hs[i] = to_float(hr[i]);
