@@ -1,21 +1,22 @@
 """The GPU validation gate: run on the GPU machine after any change to kernels or their wrappers.
 
-    python tests/gpu_validation.py tests        # part 1: pytest -m gpu (~5 min on the H200)
-    python tests/gpu_validation.py sanitizers   # part 2: compute-sanitizer over the kernel tests (~5 min)
-    python tests/gpu_validation.py              # both, one after the other
+    python tests/gpu_validation.py tests        # part 1: pytest -m gpu (~3 min on the H200)
+    python tests/gpu_validation.py memcheck     # part 2: compute-sanitizer memcheck over the kernel tests
+    python tests/gpu_validation.py racecheck    # part 3: compute-sanitizer racecheck (~4-5 min)
+    python tests/gpu_validation.py              # all three, one after the other
 
 Each part fits one 10-minute call on the GPU machine and writes its section of
 tests/gpu_validation_report.json; a section written for other kernel sources is dropped, so the
-report is complete only when both parts ran on the sources being committed.
+report is complete only when every part ran on the sources being committed.
 
 1. ``tests``: ``pytest -m gpu`` (every GPU test: kernels against references, full-size parity);
-2. ``sanitizers``: ``compute-sanitizer --tool memcheck`` over the kernel tests
+2. and 3. ``memcheck`` and ``racecheck``: ``compute-sanitizer --tool memcheck`` over the kernel tests
    (``tests/test_*_gpu.py``), and ``--tool racecheck`` over those of kernels that use shared memory,
    with PyTorch's caching allocator off so that every tensor is its own allocation and an
    out-of-bounds access is caught at the tensor's edge (tests marked ``cuda_graph`` are left out
    there: capture cannot allocate without the caching allocator; so are tests marked ``heavy``, the
    large sizes, which the sanitizers slow down 10-100 times — the same code paths run there at small
-   sizes); the runs go side by side, each tool's tests dealt into ``SHARDS`` processes; racecheck
+   sizes); each tool's tests are dealt into ``SHARDS`` processes that run side by side; racecheck
    leaves out ``large_reference`` tests and runs at most ``RACECHECK_PER_TEST`` parametrizations of
    each test function (see ``spread``); only our kernels' errors count (see ``MEMCHECK_SKIP`` and
    ``RACECHECK_SKIP``). The parts do not share the GPU: measured on the H200, the full-size tests
@@ -44,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SANITIZER_TIMEOUT_S = 500  # per process; a run that needs longer fails the gate instead of hanging the machine
 GPU_TESTS_TIMEOUT_S = 540
-PARTS = ("tests", "sanitizers")
+PARTS = ("tests", "memcheck", "racecheck")
 REPORT = ROOT / "tests" / "gpu_validation_report.json"
 
 
@@ -94,7 +95,10 @@ def run_pytest(args: list[str], junit: Path, log: Path, prefix: list[str] = (), 
 SANITIZER_MARKERS = "gpu and not cuda_graph and not heavy"
 RACECHECK_MARKERS = SANITIZER_MARKERS + " and not large_reference"
 RACECHECK_PER_TEST = 4  # racecheck must instrument cuBLAS too (below): ~5-10 s per test there
-SHARDS = {"memcheck": 6, "racecheck": 8}  # processes per tool; the sanitizers are bound by the host's cores (16 there)
+# Processes per tool. The sanitizers are bound by the host's cores (16 on the H200 machine), so the tools
+# run one at a time, each with all of them: run side by side (6 + 8 processes), racecheck's slowest
+# process needed more than 500 s on 2026-11-29.
+SHARDS = {"memcheck": 12, "racecheck": 14}
 # memcheck does not instrument these kernels (they still run): PyTorch's own (ATen), cuBLAS/CUTLASS and
 # cuDNN. That keeps its runs minutes long. racecheck cannot skip them: excluding a cuBLAS kernel from
 # racecheck crashes it ("Internal Sanitizer Error: failed to handle a hardware exception", measured on
@@ -189,24 +193,22 @@ def run_tests(out_dir: Path, xml_dir: Path) -> dict:
     return {"gpu_tests": gpu}
 
 
-def run_sanitizers(out_dir: Path, xml_dir: Path) -> dict:
-    """Part 2: memcheck and racecheck shards, side by side."""
+def run_sanitizer(tool: str, out_dir: Path, xml_dir: Path) -> dict:
+    """Part 2 or 3: the tool's tests dealt round-robin into ``SHARDS[tool]`` processes, side by side."""
     kernel_tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*_gpu.py"))
-    racecheck_tests = shared_memory_tests(kernel_tests)
+    if tool == "memcheck":
+        ids, selection = collect(kernel_tests, SANITIZER_MARKERS), {"kernel_tests": kernel_tests}
+    else:
+        racecheck_tests = shared_memory_tests(kernel_tests)
+        ids = spread(collect(racecheck_tests, RACECHECK_MARKERS), RACECHECK_PER_TEST)
+        selection = {"racecheck_tests": racecheck_tests, "racecheck_per_test": RACECHECK_PER_TEST}
+    shards = [ids[i::SHARDS[tool]] for i in range(min(SHARDS[tool], len(ids)))]
     ours = our_kernels()
-    jobs = []  # (tool, shard of test ids): the tests selected for a tool, dealt round-robin into SHARDS[tool]
-    for tool, ids in (("memcheck", collect(kernel_tests, SANITIZER_MARKERS)),
-                      ("racecheck", spread(collect(racecheck_tests, RACECHECK_MARKERS), RACECHECK_PER_TEST))):
-        jobs += [(tool, ids[i::SHARDS[tool]]) for i in range(min(SHARDS[tool], len(ids)))]
-    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        runs = [pool.submit(sanitizer, tool, ids, xml_dir / f"{tool}{i}.xml", out_dir / f"{tool}{i}.log", ours)
-                for i, (tool, ids) in enumerate(jobs)]
+    with concurrent.futures.ThreadPoolExecutor(len(shards)) as pool:
+        runs = [pool.submit(sanitizer, tool, shard, xml_dir / f"{tool}{i}.xml", out_dir / f"{tool}{i}.log", ours)
+                for i, shard in enumerate(shards)]
         counts = [r.result()[0] for r in runs]
-    return {"kernel_tests": kernel_tests,
-            "memcheck": summed([c for (tool, _), c in zip(jobs, counts) if tool == "memcheck"]),
-            "racecheck_tests": racecheck_tests,
-            "racecheck_per_test": RACECHECK_PER_TEST,
-            "racecheck": summed([c for (tool, _), c in zip(jobs, counts) if tool == "racecheck"])}
+    return {**selection, tool: summed(counts)}
 
 
 def part_ok(report: dict, part: str) -> bool:
@@ -214,13 +216,13 @@ def part_ok(report: dict, part: str) -> bool:
     if part == "tests":
         gpu = report.get("gpu_tests")
         return bool(gpu) and gpu["failed"] == gpu["errors"] == 0 and gpu["passed"] > 0 and not gpu.get("timed_out")
-    return all(t in report and report[t]["errors"] == 0 and report[t]["tests"]["failed"] == 0
-               and report[t]["tests"]["passed"] > 0 and not report[t]["tests"].get("timed_out")
-               for t in ("memcheck", "racecheck"))
+    run = report.get(part)
+    return bool(run) and run["errors"] == 0 and run["tests"]["failed"] == 0 and run["tests"]["passed"] > 0 \
+        and not run["tests"].get("timed_out")
 
 
 def merged(old: dict, part: str, results: dict, env: dict) -> dict:
-    """The report after ``part`` ran: the other part's sections are kept only if they were written
+    """The report after ``part`` ran: the other parts' sections are kept only if they were written
     for the same kernel sources."""
     report = dict(old) if old.get("sources_sha256") == env["sources_sha256"] else {}
     report.update(env)
@@ -239,7 +241,7 @@ def main(parts: list[str]) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     xml_dir = Path(tempfile.mkdtemp())  # junit files
     for part in parts:
-        results = (run_tests if part == "tests" else run_sanitizers)(out_dir, xml_dir)
+        results = run_tests(out_dir, xml_dir) if part == "tests" else run_sanitizer(part, out_dir, xml_dir)
         env = {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(),

@@ -9,7 +9,7 @@ def test_report_matches_current_kernel_sources():
     report = json.loads(REPORT.read_text())
     assert report["sources_sha256"] == sources_hash(), (
         "kernels_cu/ or a kernel wrapper changed since the last GPU validation: run "
-        "`python tests/gpu_validation.py tests` and `... sanitizers` on the GPU machine and commit "
+        "`python tests/gpu_validation.py tests`, `... memcheck` and `... racecheck` on the GPU machine and commit "
         "tests/gpu_validation_report.json"
     )
 

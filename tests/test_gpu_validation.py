@@ -1,5 +1,5 @@
 """The GPU gate's bookkeeping, on the CPU: which kernels are ours, which sanitizer errors count."""
-from gpu_validation import SANITIZER_MARKERS, collect, merged, our_kernels, part_ok, sanitizer_errors, spread, summed
+from gpu_validation import PARTS, SANITIZER_MARKERS, collect, merged, our_kernels, part_ok, sanitizer_errors, spread, summed
 
 VENDOR_RACE = """\
 ....========= Error: Race reported between Read access at nvjet_sm90_hsh_64x8_64x16_4x1_v_bz_TNT+0xb00
@@ -70,20 +70,23 @@ CLEAN = {"tests": {"passed": 5, "failed": 0, "skipped": 0, "errors": 0, "timed_o
 
 def test_parts_merge_only_on_the_same_sources():
     tests = {"gpu_tests": {"passed": 9, "failed": 0, "skipped": 0, "errors": 0, "timed_out": False}}
-    sanitizers = {"memcheck": CLEAN, "racecheck": CLEAN}
-    report = merged(merged({}, "tests", tests, _env("a")), "sanitizers", sanitizers, _env("a"))
-    assert part_ok(report, "tests") and part_ok(report, "sanitizers") and set(report["dates"]) == {"tests", "sanitizers"}
-    # the sources changed between the parts: the first part's result no longer counts
-    report = merged(merged({}, "tests", tests, _env("a")), "sanitizers", sanitizers, _env("b"))
-    assert not part_ok(report, "tests") and part_ok(report, "sanitizers")
+    report = merged(merged({}, "tests", tests, _env("a")), "memcheck", {"memcheck": CLEAN}, _env("a"))
+    report = merged(report, "racecheck", {"racecheck": CLEAN}, _env("a"))
+    assert all(part_ok(report, p) for p in PARTS) and set(report["dates"]) == set(PARTS)
+    # the sources changed between the parts: the earlier parts' results no longer count
+    report = merged(report, "racecheck", {"racecheck": CLEAN}, _env("b"))
+    assert not part_ok(report, "tests") and not part_ok(report, "memcheck") and part_ok(report, "racecheck")
 
 
 def test_a_part_that_timed_out_or_ran_nothing_is_not_ok():
     cut = {"gpu_tests": {"passed": 9, "failed": 0, "skipped": 0, "errors": 0, "timed_out": True}}
     assert not part_ok(merged({}, "tests", cut, _env("a")), "tests")
     empty = dict(CLEAN, tests=dict(CLEAN["tests"], passed=0))
-    assert not part_ok({"memcheck": CLEAN, "racecheck": empty}, "sanitizers")
-    assert not part_ok({"memcheck": dict(CLEAN, errors=None), "racecheck": CLEAN}, "sanitizers")
+    assert not part_ok({"memcheck": CLEAN, "racecheck": empty}, "racecheck")
+    assert not part_ok({"memcheck": dict(CLEAN, errors=None), "racecheck": CLEAN}, "memcheck")
+    assert not part_ok({"memcheck": CLEAN}, "racecheck")  # never ran
+    cut = dict(CLEAN, tests=dict(CLEAN["tests"], timed_out=True))
+    assert not part_ok({"racecheck": cut}, "racecheck")
 
 
 def test_a_run_past_its_time_is_killed_with_everything_it_started(tmp_path):
