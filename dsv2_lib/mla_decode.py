@@ -44,12 +44,13 @@ SHAPES = ((512, 64), (64, 16))  # (kv_lora_rank, rope dim) compiled: DeepSeek-V2
 MIN_TILES_PER_SPLIT = 1
 SCHEDULES = ("balanced", "uniform")  # mla_decode_paged: tiles dealt evenly over a wave of workers, or chunks per entry
 COMBINE_WARPS, COMBINE_COLS = 8, 64  # kernels_cu/mla_decode.cu: block and output columns of mla_decode_combine
+COMBINE_WIDTHS = (2, 4, 8, 16)  # floats per lane of mla_decode_combine_balanced<V>: 64 .. 512 columns a block
 MLA_DECODE_CU = kernels.declare(
     "mla_decode.cu",
     [f"mla_decode_split<{t}, {dl}, {dr}, {s}, {p}>" for t in ("__half", "__nv_bfloat16") for dl, dr in SHAPES
      for s in STAGES for p in ("false", "true")] + ["mla_decode_combine"]
     + [f"mla_decode_balanced<{t}, {dl}, {dr}, {s}, true>" for t in ("__half", "__nv_bfloat16") for dl, dr in SHAPES
-       for s in STAGES] + ["mla_decode_schedule", "mla_decode_combine_balanced"],
+       for s in STAGES] + ["mla_decode_schedule"] + [f"mla_decode_combine_balanced<{v}>" for v in COMBINE_WIDTHS],
 )
 
 
@@ -295,10 +296,22 @@ def _launch_balanced(query, cache, lengths_t, max_length, scale, kv_lora_rank, o
                     np.uint64(0), kernels.ptr(lengths_t), kernels.ptr(sched), np.int32(B), np.int32(H), np.int32(0),
                     np.int32(0), np.int32(max_length), np.float32(scale * 1.4426950408889634), kernels.ptr(table),
                     np.int32(table.shape[1]), np.int32(block_size), np.int64(cache.shape[0])), shared_mem=smem)
-    kernels.launch(MLA_DECODE_CU.function("mla_decode_combine_balanced", cache.device),
-                   (-(-kv_lora_rank // COMBINE_COLS), H, B), (COMBINE_WARPS * 32,),
+    v = combine_width(B * H, kv_lora_rank, _sms(cache.device))
+    kernels.launch(MLA_DECODE_CU.function(f"mla_decode_combine_balanced<{v}>", cache.device),
+                   (-(-kv_lora_rank // (32 * v)), H, B), (COMBINE_WARPS * 32,),
                    (kernels.ptr(out), kernels.ptr(o_part), kernels.ptr(lse), kernels.ptr(sched), np.int32(kv_lora_rank)))
     return out
+
+
+def combine_width(rows: int, kv_lora_rank: int, sms: int) -> int:
+    """Floats per lane ``V`` of the balanced combine for ``rows`` = batch × heads: the widest of
+    ``COMBINE_WIDTHS`` (fewest blocks, ``⌈kv_lora_rank / 32V⌉`` per row) that still launches at least two
+    blocks per SM. Narrow blocks suit few rows with many partials (batch 1, long context: the partials
+    are spread over more SMs); wide ones suit many rows with a few partials each (large batches), where
+    most of a narrow block's time is its fixed cost. The same bits for every width (kernel file)."""
+    fits = [v for v in COMBINE_WIDTHS if kv_lora_rank % v == 0 and 32 * v <= max(kv_lora_rank, 64)
+            and rows * -(-kv_lora_rank // (32 * v)) >= 2 * sms]
+    return max(fits, default=COMBINE_WIDTHS[0])
 
 
 def mla_decode_schedule(lengths: torch.Tensor, max_length: int, workers: int,

@@ -405,24 +405,59 @@ __global__ void __launch_bounds__(mla::THREADS) mla_decode_split(
 }
 
 // Merge `count` partial results of one (entry, head) into out_row: partial s is o_first + s * o_stride
-// (DL fp32) with lse lse_first[s * lse_stride]. Block of COMBINE_WARPS warps, COMBINE_COLS columns
-// (blockIdx.x picks them). Every warp first finds M = max_s lse_s with its lanes striding over the
-// partials and a shuffle reduction (a serial loop over hundreds of them would cost microseconds);
-// then warp w sums the partials w, w+8, ... for 64 columns (a float2 per lane) and the 8 warps'
-// sums meet in shared memory. out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M); all partials
-// empty (M = -inf) gives zeros. The order of the sums is fixed: the result is deterministic.
+// (DL fp32) with lse lse_first[s * lse_stride]. Block of COMBINE_WARPS warps, 32 * V columns (blockIdx.x
+// picks them; lane l owns V consecutive ones, loaded as float2 for V = 2, else as V/4 float4). Every warp
+// first finds M = max_s lse_s with its lanes striding over the partials and a shuffle reduction (a serial
+// loop over hundreds of them would cost microseconds); then warp w sums the partials w, w+8, ... and the
+// 8 warps' sums meet in shared memory. out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M); all partials
+// empty (M = -inf) gives zeros. The order of the sums is fixed and the same for every V: the result is
+// deterministic, bit for bit whatever the width. V = 2 (64 columns) makes many blocks for a few rows of
+// many partials (batch 1, long context); a wide V makes few blocks for many rows of a few partials (large
+// batches), where 8 blocks of 64 columns per row were 34 us per layer at batch 128 (profiled on the H200,
+// 2026-11-29), mostly block overhead.
 constexpr int COMBINE_WARPS = 8;
-constexpr int COMBINE_COLS = 64;
+
+template <int V>
+__device__ __forceinline__ void load_cols(float (&dst)[V], const float* __restrict__ src) {
+    static_assert(V == 2 || V % 4 == 0, "float2 or float4 vectors");
+    if constexpr (V == 2) {
+        const float2 v = *reinterpret_cast<const float2*>(src);
+        dst[0] = v.x; dst[1] = v.y;
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; k += 4) {
+            const float4 v = *reinterpret_cast<const float4*>(src + k);
+            dst[k] = v.x; dst[k + 1] = v.y; dst[k + 2] = v.z; dst[k + 3] = v.w;
+        }
+    }
+}
+
+template <int V>
+__device__ __forceinline__ void store_cols(float* __restrict__ dst, const float (&src)[V]) {
+    if constexpr (V == 2) {
+        *reinterpret_cast<float2*>(dst) = make_float2(src[0], src[1]);
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; k += 4)
+            *reinterpret_cast<float4*>(dst + k) = make_float4(src[k], src[k + 1], src[k + 2], src[k + 3]);
+    }
+}
+
+template <int V>
 __device__ __forceinline__ void merge_partials(float* __restrict__ out_row, const float* __restrict__ o_first,
                                                long long o_stride, const float* __restrict__ lse_first,
                                                long long lse_stride, int count, int dl) {
+    constexpr int U = V == 2 ? 2 : 4;  // floats per shared-memory vector: lane l's k-th vector sits at
+                                        // [warp][k][l], so a warp's 32 vectors are contiguous (no conflicts)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float M = minus_inf();
     for (int s = lane; s < count; s += 32) M = fmaxf(M, lse_first[s * lse_stride]);
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, offset));
-    const int c = blockIdx.x * COMBINE_COLS + lane * 2;
-    float2 acc = make_float2(0.f, 0.f);
+    const int c = (blockIdx.x * 32 + lane) * V;
+    float acc[V];
+#pragma unroll
+    for (int u = 0; u < V; ++u) acc[u] = 0.f;
     float den = 0.f;
     if (M != minus_inf()) {
 #pragma unroll 4
@@ -430,26 +465,43 @@ __device__ __forceinline__ void merge_partials(float* __restrict__ out_row, cons
             const float w = exp2f(lse_first[s * lse_stride] - M);  // an empty partial: exp2(-inf) = 0
             den += w;
             if (c < dl) {
-                const float2 v = *reinterpret_cast<const float2*>(o_first + s * o_stride + c);
-                acc.x += w * v.x; acc.y += w * v.y;
+                float v[V];
+                load_cols<V>(v, o_first + s * o_stride + c);
+#pragma unroll
+                for (int u = 0; u < V; ++u) acc[u] += w * v[u];
             }
         }
     }
-    __shared__ float2 sacc[COMBINE_WARPS][32];
+    __shared__ __align__(16) float sacc[COMBINE_WARPS * 32 * V];
     __shared__ float sden[COMBINE_WARPS];
-    sacc[warp][lane] = acc;
+#pragma unroll
+    for (int k = 0; k < V; k += U) {
+        float part[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) part[u] = acc[k + u];
+        store_cols<U>(sacc + ((warp * (V / U) + k / U) * 32 + lane) * U, part);
+    }
     if (lane == 0) sden[warp] = den;
     __syncthreads();
     if (warp == 0 && c < dl) {
-        float2 sum = make_float2(0.f, 0.f);
+        float sum[V], part[U];
+#pragma unroll
+        for (int u = 0; u < V; ++u) sum[u] = 0.f;
         float d = 0.f;
 #pragma unroll
         for (int w = 0; w < COMBINE_WARPS; ++w) {
-            sum.x += sacc[w][lane].x; sum.y += sacc[w][lane].y;
+#pragma unroll
+            for (int k = 0; k < V; k += U) {
+                load_cols<U>(part, sacc + ((w * (V / U) + k / U) * 32 + lane) * U);
+#pragma unroll
+                for (int u = 0; u < U; ++u) sum[k + u] += part[u];
+            }
             d += sden[w];
         }
         const float r = d > 0.f ? 1.f / d : 0.f;
-        *reinterpret_cast<float2*>(out_row + c) = make_float2(sum.x * r, sum.y * r);
+#pragma unroll
+        for (int u = 0; u < V; ++u) sum[u] *= r;
+        store_cols<V>(out_row + c, sum);
     }
 }
 
@@ -459,7 +511,7 @@ __device__ __forceinline__ void merge_partials(float* __restrict__ out_row, cons
 __global__ void __launch_bounds__(COMBINE_WARPS * 32) mla_decode_combine(
     float* __restrict__ out, const float* __restrict__ o_part, const float* __restrict__ lse, int splits, int dl) {
     const long long row = (long long)blockIdx.z * gridDim.y + blockIdx.y;  // b * H + h
-    merge_partials(out + row * dl, o_part + row * splits * dl, dl, lse + row * splits, 1, splits, dl);
+    merge_partials<2>(out + row * dl, o_part + row * splits * dl, dl, lse + row * splits, 1, splits, dl);
 }
 
 // ---- the balanced schedule (chapter 13) ---------------------------------------------------------
@@ -560,9 +612,10 @@ __global__ void __launch_bounds__(mla::THREADS) mla_decode_balanced(
     }
 }
 
-// Merge each entry's segments: grid (ceil(DL / 64), H, B). Entry b's tiles [e0, e1) were handled
+// Merge each entry's segments: grid (ceil(DL / 32V), H, B). Entry b's tiles [e0, e1) were handled
 // by workers e0 / per .. (e1 - 1) / per, whose partials sit in slots i + b. One worker: it wrote
 // `out` itself. No tiles: zeros.
+template <int V>
 __global__ void __launch_bounds__(COMBINE_WARPS * 32) mla_decode_combine_balanced(
     float* __restrict__ out, const float* __restrict__ o_part, const float* __restrict__ lse,
     const int* __restrict__ sched, int dl) {
@@ -570,12 +623,13 @@ __global__ void __launch_bounds__(COMBINE_WARPS * 32) mla_decode_combine_balance
     const int per = sched[0], e0 = sched[1 + b], e1 = sched[2 + b];
     float* out_row = out + ((long long)b * H + h) * dl;
     if (e0 == e1) {
-        const int c = blockIdx.x * COMBINE_COLS + (threadIdx.x & 31) * 2;
-        if (threadIdx.x < 32 && c < dl) *reinterpret_cast<float2*>(out_row + c) = make_float2(0.f, 0.f);
+        const int c = (blockIdx.x * 32 + (threadIdx.x & 31)) * V;
+        const float zeros[V] = {};
+        if (threadIdx.x < 32 && c < dl) store_cols<V>(out_row + c, zeros);
         return;
     }
     const int i0 = e0 / per, i1 = (e1 - 1) / per;
     if (i0 == i1) return;
-    merge_partials(out_row, o_part + ((long long)(i0 + b) * H + h) * dl, (long long)H * dl,
-                   lse + (long long)(i0 + b) * H + h, H, i1 - i0 + 1, dl);
+    merge_partials<V>(out_row, o_part + ((long long)(i0 + b) * H + h) * dl, (long long)H * dl,
+                      lse + (long long)(i0 + b) * H + h, H, i1 - i0 + 1, dl);
 }

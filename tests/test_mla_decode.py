@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from dsv2_lib import TINY
 from dsv2_lib.kv_cache import LatentCache, SequenceBatch
 from dsv2_lib.mla import MLA, causal_attention
-from dsv2_lib.mla_decode import (TILE, WARPS, balanced_schedule, balanced_segments, mla_decode, mla_decode_paged,
-                                 mla_decode_paged_reference, mla_decode_query_dtype, mla_decode_reference,
-                                 mla_decode_splits, mla_decode_workspace)
+from dsv2_lib.mla_decode import (COMBINE_WIDTHS, TILE, WARPS, balanced_schedule, balanced_segments, combine_width,
+                                 mla_decode, mla_decode_paged, mla_decode_paged_reference, mla_decode_query_dtype,
+                                 mla_decode_reference, mla_decode_splits, mla_decode_workspace)
 
 # ---- the identities --------------------------------------------------------------------------------
 
@@ -559,3 +559,15 @@ def test_emulated_balanced_kernel_matches_the_reference(H, DL, DR, lengths, bloc
         want = mla_decode_paged_reference(torch.from_numpy(q[b : b + 1]), torch.from_numpy(cache), [tables[b]], [n],
                                           block_size, 0.3, DL).numpy()[0]
         assert np.abs(got[b] - want).max() < 1e-12
+
+
+def test_combine_width_takes_the_widest_block_that_keeps_two_per_sm():
+    """Batch x 16 heads of V2-Lite's 512 columns on 132 SMs: 64 columns a block up to batch 4 (128 blocks
+    at V = 4 would be under 264), then 128, 256 and from batch 32 whole rows; the tiny model's 64 columns
+    only ever take V = 2; a kv_lora_rank the widths do not divide takes what divides it."""
+    widths = {B: combine_width(B * 16, 512, 132) for B in (1, 4, 8, 16, 32, 256)}
+    assert widths == {1: 2, 4: 2, 8: 4, 16: 8, 32: 16, 256: 16}
+    assert combine_width(4096, 64, 132) == 2
+    assert combine_width(4096, 520, 132) == 8  # 520 = 8 x 65: not a multiple of 16
+    assert all(v in COMBINE_WIDTHS for v in widths.values())
+

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dsv2_lib import TINY, kernels
+from dsv2_lib import mla_decode as mla_decode_mod
 from dsv2_lib.mla import MLA
 from dsv2_lib.kv_cache import SequenceBatch
 from dsv2_lib.mla_decode import (STAGES, mla_decode, mla_decode_counters, mla_decode_query_dtype,
@@ -376,6 +377,29 @@ def test_balanced_device_lengths_with_empty_entries_give_zeros():
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     want = mla_decode_reference(q[[0, 2]], contiguous, [0, 2], [300, 90], 0.1147, 512)
     assert close(got[[0, 2]], want, pool, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_balanced_combine_gives_the_same_bits_at_every_width(dtype, monkeypatch):
+    """mla_decode_combine_balanced<V> for every V of COMBINE_WIDTHS (64 .. 512 columns a block), forced:
+    the same sums in the same order, so the same bits as V = 2; empty entries zero, single-segment
+    entries untouched; the tiny model's kv_lora_rank 64 at its only width."""
+    lengths = [300, 0, 1, 17, 90, 700, 33] * 6
+    q, pool, table, contiguous = paged_inputs(lengths, 16, dtype, seed=3)
+    want = mla_decode_reference(q, contiguous, range(len(lengths)), lengths, 0.1147, 512)
+    results = {}
+    for v in mla_decode_mod.COMBINE_WIDTHS:
+        monkeypatch.setattr(mla_decode_mod, "combine_width", lambda rows, dl, sms, v=v: v)
+        for workers in (5, 264):  # deep workers (few partials per entry) and a wave (many)
+            results[v, workers] = mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512, workers=workers)
+    for (v, workers), got in results.items():
+        assert torch.equal(got, results[2, workers]), f"V = {v}, {workers} workers"
+        assert close(got, want, pool, dtype)
+        assert torch.equal(got[1], torch.zeros_like(got[1]))
+    monkeypatch.undo()
+    q, pool, table, contiguous = paged_inputs([40, 0, 9], 16, dtype, heads=4, dl=64, dr=16)
+    want = mla_decode_reference(q, contiguous, range(3), [40, 0, 9], 0.3, 64)
+    assert close(mla_decode_paged(q, pool, table, [40, 0, 9], 16, 0.3, 64, workers=7), want, pool, dtype)
 
 
 @pytest.mark.cuda_graph
