@@ -28,7 +28,8 @@
 // head group) to finish — found with an atomic ticket — merges the splits itself, in the fixed
 // order 0, 1, ... (deterministic), writes `final_out` and resets its counter to 0.
 //
-// Where the time goes (H200, tests/bench_mla_decode.py): a block's tile loop is serial — wait for
+// Where the time goes (H200, tests/bench_mla_decode.py; the numbers of this paragraph were measured
+// before the loader, score-exchange and rescale changes below): a block's tile loop is serial — wait for
 // tile it, score, reduce across warps, softmax, P·V, two block barriers — and it is the SM's work
 // per tile, not the bytes in flight, that sets the pace: the pipeline depth hardly matters
 // (1 x 32768 at 128 splits: 26.7 us at STAGES 2, 26.0 at 4), while a block needs ~2 us per tile
@@ -37,7 +38,9 @@
 // so it gets either one block per SM (36 % of copy) or few tiles per block. Nsight Compute (1 x 32768):
 // one warp per scheduler, an instruction issued every 4.1 cycles, stalls mostly on fixed-latency
 // dependencies: the block is bound by issuing its ~1,400 instructions per tile, 40 % of which were
-// the loader's address arithmetic before load_tile copied whole rows per warp.
+// the loader's address arithmetic before load_tile copied whole rows per warp. With whole-row copies,
+// float4 partial-score exchange and the skipped rescale, the main loop is ~840 SASS instructions per
+// tile, and 64 x 4096 measured 72.5 % of copy (1 x 32768: 37 %) on 2026-11-29.
 //
 // Paged (PAGED = true, chapter 13). `cache` is one layer of the paged cache, flat [num_rows, D], and
 // entry b's context position p lives in row block_table[b][p / block_size] * block_size
