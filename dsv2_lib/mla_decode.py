@@ -531,5 +531,4 @@ def _occupancy(fn_ptr: int, smem: int, device_index: int) -> int:
 
 def _blocks_per_wave(kernel, smem: int, device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = torch.cuda.get_device_properties(index).multi_processor_count
-    return sms * _occupancy(int(kernel.kernel.ptr), smem, index)
+    return _sms(device) * _occupancy(int(kernel.kernel.ptr), smem, index)

@@ -420,17 +420,19 @@ __global__ void __launch_bounds__(mla::THREADS) mla_decode_split(
 // 2026-11-29), mostly block overhead.
 constexpr int COMBINE_WARPS = 8;
 
+// V consecutive floats: one float2 for V = 2, else V/4 16-byte vectors (common.cuh's Vec16).
 template <int V>
 __device__ __forceinline__ void load_cols(float (&dst)[V], const float* __restrict__ src) {
-    static_assert(V == 2 || V % 4 == 0, "float2 or float4 vectors");
+    static_assert(V == 2 || V % 4 == 0, "float2 or 16-byte vectors");
     if constexpr (V == 2) {
         const float2 v = *reinterpret_cast<const float2*>(src);
         dst[0] = v.x; dst[1] = v.y;
     } else {
 #pragma unroll
         for (int k = 0; k < V; k += 4) {
-            const float4 v = *reinterpret_cast<const float4*>(src + k);
-            dst[k] = v.x; dst[k + 1] = v.y; dst[k + 2] = v.z; dst[k + 3] = v.w;
+            const Vec16<float> v = load16(src + k);
+#pragma unroll
+            for (int u = 0; u < 4; ++u) dst[k + u] = v.v[u];
         }
     }
 }
@@ -441,8 +443,12 @@ __device__ __forceinline__ void store_cols(float* __restrict__ dst, const float 
         *reinterpret_cast<float2*>(dst) = make_float2(src[0], src[1]);
     } else {
 #pragma unroll
-        for (int k = 0; k < V; k += 4)
-            *reinterpret_cast<float4*>(dst + k) = make_float4(src[k], src[k + 1], src[k + 2], src[k + 3]);
+        for (int k = 0; k < V; k += 4) {
+            Vec16<float> v;
+#pragma unroll
+            for (int u = 0; u < 4; ++u) v.v[u] = src[k + u];
+            store16(dst + k, v);
+        }
     }
 }
 

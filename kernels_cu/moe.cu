@@ -484,7 +484,7 @@ template <typename T>
 __global__ void moe_combine(T* __restrict__ out, const T* __restrict__ y, const float* __restrict__ weights,
                             const int* __restrict__ slot_of, const T* __restrict__ shared, int topk, int H,
                             const long long* __restrict__ ids, int E) {
-    constexpr int VEC = 16 / sizeof(T);
+    constexpr int VEC = Vec16<T>::N;
     const long long t = blockIdx.x;
     const int n = (blockIdx.y * blockDim.x + threadIdx.x) * VEC;
     if (n >= H) return;
@@ -498,23 +498,19 @@ __global__ void moe_combine(T* __restrict__ out, const T* __restrict__ y, const 
         if (ids && !(ids[c] >= 0 && ids[c] < E)) s = -1;
         if (s < 0) continue;
         const float w = weights[c];
-        const uint4 v = *reinterpret_cast<const uint4*>(y + s * H + n);
-        const T* e = reinterpret_cast<const T*>(&v);
+        const Vec16<T> v = load16(y + s * H + n);
 #pragma unroll
-        for (int u = 0; u < VEC; ++u) acc[u] = __fadd_rn(acc[u], __fmul_rn(w, to_float(e[u])));
+        for (int u = 0; u < VEC; ++u) acc[u] = __fadd_rn(acc[u], __fmul_rn(w, to_float(v.v[u])));
     }
-    uint4 sh = make_uint4(0, 0, 0, 0);
-    if (shared) sh = *reinterpret_cast<const uint4*>(shared + t * H + n);
-    const T* she = reinterpret_cast<const T*>(&sh);
-    uint4 res;
-    T* r = reinterpret_cast<T*>(&res);
+    Vec16<T> res;
+    const Vec16<T> sh = shared ? load16(shared + t * H + n) : Vec16<T>{};
 #pragma unroll
     for (int u = 0; u < VEC; ++u) {
         float x = round_to<T>(acc[u]);
-        if (shared) x = x + to_float(she[u]);
-        r[u] = from_float<T>(x);
+        if (shared) x = x + to_float(sh.v[u]);
+        res.v[u] = from_float<T>(x);
     }
-    *reinterpret_cast<uint4*>(out + t * H + n) = res;
+    store16(out + t * H + n, res);
 }
 
 // ------------------------------------------------------------------------------------------------
