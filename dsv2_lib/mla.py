@@ -19,7 +19,7 @@ import itertools
 import torch
 from torch import nn
 
-from . import attention, kernels
+from . import attention, kernels, streams
 from .cache_write import write_cache_rows
 from .config import ModelConfig
 from .kv_cache import PagedBatch, SequenceBatch, as_paged
@@ -27,6 +27,8 @@ from .mla_decode import _kernel_applies, mla_decode, mla_decode_paged, mla_decod
 from .norm import RMSNorm
 from .rope import apply_rope_
 from .weights import Linear, upcast
+
+Q_STREAM_MAX_TOKENS = 16  # up to this many tokens q_proj runs on a side stream beside the latent projection (streams.py)
 
 
 def write_latent_cache(cache: torch.Tensor, batch: SequenceBatch | PagedBatch, rows: torch.Tensor) -> None:
@@ -97,9 +99,15 @@ class MLA(nn.Module):
         ``positions [T]`` (int64, on x's device) index ``rope_cache [P, rope_dim]`` (rope_cos_sin_cache).
         """
         c = self.cfg
-        q = self.project_q(x)
+        if kernels.use_kernels(x) and x.shape[0] <= Q_STREAM_MAX_TOKENS:  # two small GEMMs and a norm, side by side
+            with streams.fork(x.device) as q_ready:
+                q = self.project_q(x)
+            latent, k_pe = self.project_latent(x)
+            streams.join(q_ready, x.device)
+        else:
+            q = self.project_q(x)
+            latent, k_pe = self.project_latent(x)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        latent, k_pe = self.project_latent(x)
         apply_rope_(q_pe, k_pe, positions, rope_cache, batch.last_position)  # in place, on the strided views of q and kv_a's output
         write_latent_cache(cache, batch, torch.cat([latent, k_pe], dim=-1))
         attend = self.decode_attention if batch.decode else self.prefill_attention

@@ -73,3 +73,39 @@ def test_a_padded_graph_step_agrees_with_the_unpadded_step():
     want = llm.model.compute_logits(llm.model(torch.tensor(ids, device="cuda"), batch, cache))
     rel = ((got - want).norm() / want.norm()).item()
     assert rel <= 0.02, rel
+
+
+def test_side_streams_give_the_same_bits_and_are_waited_for(monkeypatch):
+    """Up to 16 tokens MLA's q_proj and MoE's shared experts run on a side stream (dsv2_lib/streams.py):
+    a replay gives the same logits and cache rows, bit for bit, as with every kernel on one stream. The
+    side work is held up ~5 ms per layer, so a join that did not wait would read unwritten buffers."""
+    from dsv2_lib import mla, moe, streams
+
+    llm = LLM("tiny", device="cuda", dtype="bfloat16")
+    cache = PagedLatentCache(llm.config, num_blocks=256, block_size=16, dtype=torch.bfloat16, device="cuda", max_len=160)
+    cache.rows.normal_(0, 0.5)
+    step = random_step(5, cache, torch.Generator().manual_seed(2))
+    before = cache.rows.clone()
+    monkeypatch.setattr(mla, "Q_STREAM_MAX_TOKENS", 0)
+    monkeypatch.setattr(moe, "SHARED_STREAM_MAX_TOKENS", 0)
+    want, want_rows = DecodeGraphRunner(llm.model, cache)(*step).clone(), cache.rows.clone()
+
+    on_side = []
+
+    def delayed(forward):
+        def run(*args):
+            on_side.append(torch.cuda.current_stream() == streams.side_stream(torch.device("cuda")))
+            torch.cuda._sleep(10**7)
+            return forward(*args)
+        return run
+
+    monkeypatch.setattr(mla, "Q_STREAM_MAX_TOKENS", 16)
+    monkeypatch.setattr(moe, "SHARED_STREAM_MAX_TOKENS", 16)
+    monkeypatch.setattr(mla.MLA, "project_q", delayed(mla.MLA.project_q))
+    layers = [m for m in llm.model.modules() if isinstance(m, moe.MoE) and m.shared_experts is not None]
+    for m in layers:
+        monkeypatch.setattr(m.shared_experts, "forward", delayed(m.shared_experts.forward))
+    cache.rows.copy_(before)
+    got = DecodeGraphRunner(llm.model, cache)(*step)
+    assert layers and on_side and all(on_side)  # every delayed call ran on the side stream
+    assert torch.equal(got, want) and torch.equal(cache.rows, want_rows)
