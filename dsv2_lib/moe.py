@@ -7,10 +7,12 @@ and ``moe_experts`` dispatch to the CUDA kernels of ``kernels_cu/moe.cu`` for CU
 
 * router: one warp per token (softmax, greedy or group-limited top-k, renormalise or scale);
 * alignment: the T·k choices sorted by expert, each expert's segment padded to a tile, no host sync;
-* experts, three regimes chosen by the token count T (constants below):
+* experts, four regimes chosen by the token count T (constants below):
   T <= ``GEMV_MAX_TOKENS`` (and every fp32 input): GEMV kernels that stream the selected experts'
-  weights over the whole GPU; T >= ``GROUPED_MM_MIN_TOKENS`` (bf16): ``torch._grouped_mm`` (cuBLAS)
-  on the aligned rows; in between: our grouped tensor-core GEMM (bf16/fp16, ``mma.sync``);
+  weights over the whole GPU; T <= ``SKINNY_MAX_TOKENS`` (16-bit, H and I multiples of 64): the skinny
+  grouped GEMM, each selected expert's weights read once per tile of 8 of its tokens, the tokens as the
+  mma's narrow side; beyond, bf16 from ``GROUPED_MM_MIN_TOKENS``: ``torch._grouped_mm`` (cuBLAS) on
+  the aligned rows; otherwise our grouped tensor-core GEMM (``mma.sync``, 64-row tiles);
 * combine: the weighted sum back to token order, in a fixed order (deterministic), plus the shared
   experts' output.
 
@@ -30,19 +32,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import kernels, streams
 from .config import ModelConfig
 from .kernels import CUDA_TYPE
 from .mlp import MLP, silu_and_mul
 from .weights import empty_param, upcast
 
 # Thresholds, from tests/bench_moe.py on the H200 (it prints the sweep that re-sets them: every path
-# forced at 1 ... 4096 tokens, and its recommendation). Measured 2026-11-29 (second run): the GEMV
-# beat both grouped GEMMs up to 16 tokens, torch._grouped_mm beat our mma kernel at EVERY size
-# (1 ... 4096), so for bf16 the engine goes straight from the GEMV to torch._grouped_mm; our mma
-# kernel remains the taught kernel and the fp16 path.
-GEMV_MAX_TOKENS = 16         # up to this many tokens: the GEMV kernels (32: grouped_mm 0.40 ms vs GEMV 0.47)
-GROUPED_MM_MIN_TOKENS = 1    # beyond the GEMV, bf16 always takes torch._grouped_mm (measured faster than mma)
+# forced at 1 ... 4096 tokens, and its recommendation). Measured 2026-11-29 (routed experts alone, ms):
+# the per-choice GEMV wins up to 4 tokens (4: 0.105 vs skinny 0.110), the skinny GEMM from 8 to 128
+# (8: 0.159 vs GEMV 0.169; 32: 0.294 vs torch._grouped_mm 0.383; 128: 0.362 vs 0.399),
+# torch._grouped_mm beyond (256: 0.411 vs skinny 0.527) and beat our mma kernel at EVERY size, so bf16
+# never takes the mma kernel; it remains the taught kernel and the fp16 path beyond the skinny range.
+GEMV_MAX_TOKENS = 4          # up to this many tokens: the GEMV kernels
+SKINNY_MAX_TOKENS = 128      # beyond the GEMV, up to this many tokens (16-bit): our skinny grouped GEMM
+GROUPED_MM_MIN_TOKENS = 1    # beyond those, bf16 always takes torch._grouped_mm (measured faster than mma)
 GROUPED_MM_ALIGN = 8         # rows per expert segment are padded to this for torch._grouped_mm
 FP32_GEMV_MAX_TOKENS = 64    # fp32 has no tensor-core path here: GEMV kernels up to this, the reference beyond
 GEMV_KERNEL = "per_choice"   # or "grouped" (each selected expert read once): slower on the H200, see above
@@ -50,8 +54,13 @@ GEMV_TB = 8                  # choices per work item of the grouped GEMV (GEMV_T
 GEMV_WARPS = 4               # warps per block of the grouped GEMV kernels (1..8: __launch_bounds__(256))
 GEMV_COLS_PER_WARP = 1       # output columns per warp of the grouped GEMV (grid y = cols / (warps * this))
 SHARED_IN_ROUTER = False     # moe_decode: the shared experts' gate|up runs in the router kernel's launch
+SHARED_STREAM_MAX_TOKENS = 16  # up to this many tokens the shared experts run on a side stream (streams.py):
+# measured on the whole layer (bench_moe.py), 1 token 0.056 vs 0.067 ms, 16 tokens 0.301 vs 0.312; at 32
+# and 64 tokens the skinny GEMM streams at full bandwidth and the side stream slowed it (0.337 vs 0.327)
 ROUTER_THREADS = 256         # block of moe_route_gemv (block 0 routes, one warp per token; the rest: shared gate|up)
 TILE_M = 64                  # rows per tile of our grouped GEMM (BM in moe.cu)
+SKINNY_ROWS = 8              # sorted rows (tokens) per tile of the skinny GEMM (moe.cu)
+SKINNY_WARPS = 4             # warps per block of the skinny GEMM, 16 output columns each (moe.cu)
 GEMM_N = {"gate_up": 64, "down": 128}  # output columns per block (BN/2 and BN in moe.cu)
 GEMV_ROWS = 16               # output columns per GEMV block (moe.cu)
 MAX_EXPERTS = 256            # 32 lanes x ROUTER_PER_LANE (moe.cu); also bounds moe_align's shared memory
@@ -64,7 +73,8 @@ MOE_CU = kernels.declare(
     ["topk_softmax", "moe_align"]
     + [f"moe_gemm<{t}, {g}>" for t in ("__nv_bfloat16", "__half") for g in ("true", "false")]
     + [f"{k}<{t}>" for k in ("moe_gemv_gate_up", "moe_gemv_down", "moe_combine", "moe_route_gemv") for t in CUDA_TYPE.values()]
-    + [f"moe_gemv_grouped<{t}, {g}>" for t in CUDA_TYPE.values() for g in ("true", "false")] + ["moe_gemv_items"],
+    + [f"moe_gemv_grouped<{t}, {g}>" for t in CUDA_TYPE.values() for g in ("true", "false")] + ["moe_gemv_items"]
+    + [f"moe_skinny<{t}, {g}>" for t in ("__nv_bfloat16", "__half") for g in ("true", "false")],
 )
 
 
@@ -250,9 +260,12 @@ def moe_align(ids: torch.Tensor, n_experts: int, block: int):
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
-                down_proj: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+                down_proj: torch.Tensor, shared: torch.Tensor | None = None,
+                shared_ready: torch.cuda.Event | None = None) -> torch.Tensor:
     """``routed_experts(x, weights, ids, ...)`` (+ ``shared [T, H]``, the shared experts' output, added in
-    x's dtype): the kernels for CUDA tensors, else the reference.
+    x's dtype): the kernels for CUDA tensors, else the reference. ``shared_ready``: an event recorded
+    after ``shared`` was written on another stream; the first kernel that reads ``shared`` waits for it,
+    so the routed experts run meanwhile.
 
     ``x [T, H]``, ``weights [T, k]`` fp32, ``ids [T, k]`` int64, ``gate_up_proj [E, 2I, H]``,
     ``down_proj [E, H, I]``, all contiguous. The kernel path needs H and I multiples of 8, 16-byte
@@ -260,9 +273,13 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     ``FP32_GEMV_MAX_TOKENS`` tokens and the reference (cuBLAS per expert) beyond: the tensor-core
     kernels here take bf16/fp16 only.
     """
+    def ready(t: torch.Tensor | None) -> torch.Tensor | None:  # shared, once its stream has written it
+        streams.join(shared_ready, x.device)
+        return t
+
     def reference():
         out = routed_experts(x, weights, ids, gate_up_proj, down_proj)
-        return out if shared is None else out + shared
+        return out if shared is None else out + ready(shared)
 
     if not kernels.use_kernels(x) or x.dtype not in CUDA_TYPE:
         return reference()
@@ -283,16 +300,18 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
             or (x.dtype == torch.float32 and t > FP32_GEMV_MAX_TOKENS):
         return reference()
     if t == 0:
-        return x.new_zeros(0, h) if shared is None else shared.clone()
+        return x.new_zeros(0, h) if shared is None else ready(shared).clone()
     if x.dtype == torch.float32 or t <= GEMV_MAX_TOKENS:
         if GEMV_KERNEL == "grouped" and _items_fit(t * k, e):
-            return _gemv_grouped(x, weights, ids, gate_up_proj, down_proj, moe_gemv_items(ids, e), shared=shared)
+            return _gemv_grouped(x, weights, ids, gate_up_proj, down_proj, moe_gemv_items(ids, e), shared=ready(shared))
         y, slot_of = _gemv_experts(x, ids, gate_up_proj, down_proj), None
+    elif t <= SKINNY_MAX_TOKENS and h % 64 == 0 and i % 64 == 0:
+        y, slot_of = _skinny_experts(x, ids, gate_up_proj, down_proj)
     elif t >= GROUPED_MM_MIN_TOKENS and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         y, slot_of = _grouped_mm_experts(x, ids, gate_up_proj, down_proj)
     else:
         y, slot_of = _mma_experts(x, ids, gate_up_proj, down_proj)
-    return _combine(y, weights, slot_of, shared)
+    return _combine(y, weights, slot_of, ready(shared))
 
 
 def _gemv_experts(x, ids, gate_up_proj, down_proj) -> torch.Tensor:
@@ -404,6 +423,23 @@ def _mma_experts(x, ids, gate_up_proj, down_proj):
         kernels.launch(MOE_CU.function(f"moe_gemm<{ct}, {name}>", x.device), (tiles, -(-n_out // n_tile)), (128,),
                        (kernels.ptr(out), kernels.ptr(a), kernels.ptr(w), kernels.ptr(sorted_rows),
                         kernels.ptr(tile_expert), np.int32(n_out), np.int32(kdim), np.int32(k)))
+    return y, slot_of
+
+
+def _skinny_experts(x, ids, gate_up_proj, down_proj):
+    """Our skinny grouped GEMMs (``moe_skinny``, bf16/fp16, H and I multiples of 64) on tiles of
+    SKINNY_ROWS sorted rows, one expert per tile: (y [tiles·SKINNY_ROWS, H] in sorted order, slot_of)."""
+    k, (e, i2, h) = ids.shape[1], gate_up_proj.shape
+    i, ct = i2 // 2, CUDA_TYPE[x.dtype]
+    sorted_rows, slot_of, tile_expert, _ = moe_align(ids, e, SKINNY_ROWS)
+    tiles = tile_expert.numel()
+    hid = torch.empty(tiles * SKINNY_ROWS, i, dtype=x.dtype, device=x.device)
+    y = torch.empty(tiles * SKINNY_ROWS, h, dtype=x.dtype, device=x.device)
+    cols = 16 * SKINNY_WARPS
+    for name, out, a, w, n_out, kdim in (("true", hid, x, gate_up_proj, i, h), ("false", y, hid, down_proj, h, i)):
+        kernels.launch(MOE_CU.function(f"moe_skinny<{ct}, {name}>", x.device), (tiles, -(-n_out // cols)),
+                       (32 * SKINNY_WARPS,), (kernels.ptr(out), kernels.ptr(a), kernels.ptr(w), kernels.ptr(sorted_rows),
+                                              kernels.ptr(tile_expert), np.int32(n_out), np.int32(kdim), np.int32(k)))
     return y, slot_of
 
 
@@ -535,6 +571,13 @@ class MoE(nn.Module):
         shared_w = None if sh is None else (sh.gate_up_proj.weight, sh.down_proj.weight)
         if _decode_applies(x, self.cfg, shared_w) and logits.dtype == torch.float32:
             return moe_decode(x, logits, self.cfg, self.experts.gate_up_proj, self.experts.down_proj, shared_w)
+        if sh is None or not kernels.use_kernels(x) or x.shape[0] > SHARED_STREAM_MAX_TOKENS:
+            weights, ids = topk_softmax(logits, self.cfg)
+            shared = sh(x) if sh is not None else None
+            return moe_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, shared)
+        # A few tokens: the shared experts do not depend on the routing, so they run on the side stream
+        # while the router and the routed experts run on this one; the combine waits for them.
+        with streams.fork(x.device) as shared_ready:
+            shared = sh(x)
         weights, ids = topk_softmax(logits, self.cfg)
-        shared = sh(x) if sh is not None else None
-        return moe_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, shared)
+        return moe_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, shared, shared_ready)

@@ -9,12 +9,14 @@ V2-Lite's shape: 64 routed experts x 1408, top-6, 2 shared experts, hidden 2048,
    of a call from Python), transformers' DeepseekV2Moe, and the PyTorch baseline (our reference
    ``routed_experts`` + the shared MLP): ms, TFLOP/s (routed + shared FLOPs / time) and, at 1 and 32
    tokens, the weight-read time of the experts touched at the measured copy bandwidth.
-2. The regimes behind the thresholds in dsv2_lib/moe.py (GEMV_MAX_TOKENS, GROUPED_MM_MIN_TOKENS):
-   routed experts alone (``moe_experts``) with each path forced, at 1 ... 4096 tokens: the per-choice
-   GEMV (first version), the grouped GEMV (each expert read once), our mma GEMM, torch._grouped_mm;
-   and the thresholds this sweep recommends.
+2. The regimes behind the thresholds in dsv2_lib/moe.py (GEMV_MAX_TOKENS, SKINNY_MAX_TOKENS,
+   GROUPED_MM_MIN_TOKENS): routed experts alone (``moe_experts``) with each path forced, at 1 ... 4096
+   tokens: the per-choice GEMV (first version), the grouped GEMV (each expert read once), the skinny
+   GEMM, our mma GEMM, torch._grouped_mm; and the thresholds this sweep recommends.
 3. The grouped GEMV's variants on the whole layer at 1 and 32 tokens (warps per block, columns per
    warp, shared experts' gate|up inside the router launch or not): which wins, and the bars.
+4. The shared experts on a side stream or not (SHARED_STREAM_MAX_TOKENS), whole layer, 1 ... 512
+   tokens: the largest size where the side stream still wins is the threshold.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from dsv2_lib.weights import default_dtype
 
 SIZES = (1, 32, 512, 4096)
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+STREAM_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 GEMV_SWEEP_MAX = 256  # the GEMV paths are timed up to this many tokens
 VARIANTS = [dict(GEMV_WARPS=w, GEMV_COLS_PER_WARP=c, SHARED_IN_ROUTER=r)
             for w, c in ((8, 1), (4, 1), (8, 2), (4, 2), (8, 4)) for r in (True, False)]
@@ -75,15 +78,16 @@ def flops(t: int) -> float:
     return t * (K + S) * 3 * 2 * H * I
 
 
-PATHS = ("gemv_choice", "gemv", "mma", "grouped_mm")  # the per-choice GEMV, the grouped GEMV, our mma GEMM, cuBLAS
+PATHS = ("gemv_choice", "gemv", "skinny", "mma", "grouped_mm")  # per-choice GEMV, grouped GEMV, skinny GEMM, mma GEMM, cuBLAS
 
 
 def recommend(sweep: list[dict]) -> dict:
     """The thresholds the sweep (routed experts alone, each path forced; rows ``{"tokens", "<path>_ms"}``
     in increasing tokens, a path absent where it was not run) recommends; sets each row's ``"fastest"``.
     GEMV up to the last size of the leading run where a GEMV kernel is fastest of all (``GEMV_KERNEL``:
-    the one of the two that wins more of those sizes); beyond it grouped_mm from the first size where
-    it beats mma at every larger size (1: at every size the GEMV does not take)."""
+    the one of the two that wins more of those sizes); then the skinny GEMM up to the last size of the
+    run that follows where it is fastest (0: no such run); beyond, grouped_mm from the first size where
+    it beats mma at every larger size (1: at every size the kernels before it do not take)."""
     for r in sweep:
         r["fastest"] = min((r[n + "_ms"], n) for n in PATHS if n + "_ms" in r)[1]
     gemv_max, wins = 0, {"gemv_choice": 0, "gemv": 0}
@@ -92,13 +96,18 @@ def recommend(sweep: list[dict]) -> dict:
             break
         gemv_max = r["tokens"]
         wins[r["fastest"]] += 1
-    beyond = [r for r in sweep if r["tokens"] > gemv_max and "grouped_mm_ms" in r]
+    skinny_max = 0
+    for r in (r for r in sweep if r["tokens"] > gemv_max):
+        if r["fastest"] != "skinny":
+            break
+        skinny_max = r["tokens"]
+    beyond = [r for r in sweep if r["tokens"] > max(gemv_max, skinny_max) and "grouped_mm_ms" in r]
     mm_min = next((r["tokens"] for i, r in enumerate(beyond)
                    if all(b["grouped_mm_ms"] < b["mma_ms"] for b in beyond[i:])), None)
     if beyond and mm_min == beyond[0]["tokens"]:
         mm_min = 1
     return {"GEMV_MAX_TOKENS": gemv_max, "GEMV_KERNEL": "per_choice" if wins["gemv_choice"] >= wins["gemv"] else "grouped",
-            "GROUPED_MM_MIN_TOKENS": mm_min}
+            "SKINNY_MAX_TOKENS": skinny_max, "GROUPED_MM_MIN_TOKENS": mm_min}
 
 
 def main() -> None:
@@ -138,22 +147,25 @@ def main() -> None:
                            "max_abs_ref": float(b.abs().max())})
             rows.append(r)
 
-        sweep, defaults = [], (moe.GEMV_MAX_TOKENS, moe.GROUPED_MM_MIN_TOKENS, moe.GEMV_KERNEL)
+        knobs = ("GEMV_MAX_TOKENS", "SKINNY_MAX_TOKENS", "GROUPED_MM_MIN_TOKENS", "GEMV_KERNEL")
+        sweep, defaults = [], [getattr(moe, k) for k in knobs]
         gate_up, down = ours.experts.gate_up_proj, ours.experts.down_proj
-        paths = {"gemv_choice": (10**9, 10**9, "per_choice"), "gemv": (10**9, 10**9, "grouped"),
-                 "mma": (0, 10**9, "grouped"), "grouped_mm": (0, 1, "grouped")}
+        paths = {"gemv_choice": (10**9, 0, 10**9, "per_choice"), "gemv": (10**9, 0, 10**9, "grouped"),
+                 "skinny": (0, 10**9, 10**9, "grouped"), "mma": (0, 0, 10**9, "grouped"), "grouped_mm": (0, 0, 1, "grouped")}
         for t in SWEEP:
             x = torch.randn(t, H, device="cuda").to(torch.bfloat16)
             w, ids = route(torch.nn.functional.linear(x.float(), ours.gate.weight), CFG)
             r = {"tokens": t, "routed_flop": t * K * 3 * 2 * H * I}
-            for name, (gemv_max, mm_min, kernel) in paths.items():
-                if name == "gemv_choice" and t > 64 or name == "gemv" and t > GEMV_SWEEP_MAX \
+            for name, values in paths.items():
+                if name == "gemv_choice" and t > 64 or name in ("gemv", "skinny") and t > GEMV_SWEEP_MAX \
                         or name == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
                     continue
-                moe.GEMV_MAX_TOKENS, moe.GROUPED_MM_MIN_TOKENS, moe.GEMV_KERNEL = gemv_max, mm_min, kernel
+                for k, v in zip(knobs, values):
+                    setattr(moe, k, v)
                 r[name + "_ms"] = time_cuda_graph(lambda: moe.moe_experts(x, w, ids, gate_up, down), calls=3)
             sweep.append(r)
-        moe.GEMV_MAX_TOKENS, moe.GROUPED_MM_MIN_TOKENS, moe.GEMV_KERNEL = defaults
+        for k, v in zip(knobs, defaults):
+            setattr(moe, k, v)
 
         # the grouped GEMV's variants on the whole layer (the fused decode path), at 1 and 32 tokens
         variants, saved = [], {k: getattr(moe, k) for k in VARIANTS[0]}
@@ -178,6 +190,17 @@ def main() -> None:
         moe.GEMV_KERNEL = saved_kernel
         moe.GEMV_MAX_TOKENS = saved_max
 
+        # the shared experts on a side stream (10**9: always) or on the layer's stream (0)
+        streams, saved_streams = [], moe.SHARED_STREAM_MAX_TOKENS
+        for t in STREAM_SWEEP:
+            x = torch.randn(t, H, device="cuda").to(torch.bfloat16)
+            r = {"tokens": t}
+            for name, limit in (("side_ms", 10**9), ("one_ms", 0)):
+                moe.SHARED_STREAM_MAX_TOKENS = limit
+                r[name] = time_cuda_graph(lambda: ours(x), calls=10)
+            streams.append(r)
+        moe.SHARED_STREAM_MAX_TOKENS = saved_streams
+
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; GPU {torch.cuda.get_device_name()}")
     print(f"{'tokens':>6} {'ours ms':>9} {'(call)':>8} {'HF ms':>8} {'base ms':>8} {'ours TF/s':>9} "
           f"{'weights ms':>10} {'ours/read':>9}")
@@ -199,7 +222,7 @@ def main() -> None:
     for r in sweep:
         print(f"{r['tokens']:>6} " + " ".join(f"{r.get(n + '_ms', float('nan')):>11.4f}" for n in PATHS) + f"  {r['fastest']}")
     print(f"recommended: {recommended} (a crossover lies between a threshold and the next size measured); "
-          f"set now: {dict(GEMV_MAX_TOKENS=moe.GEMV_MAX_TOKENS, GEMV_KERNEL=moe.GEMV_KERNEL, GROUPED_MM_MIN_TOKENS=moe.GROUPED_MM_MIN_TOKENS)}")
+          f"set now: {dict(GEMV_MAX_TOKENS=moe.GEMV_MAX_TOKENS, GEMV_KERNEL=moe.GEMV_KERNEL, SKINNY_MAX_TOKENS=moe.SKINNY_MAX_TOKENS, GROUPED_MM_MIN_TOKENS=moe.GROUPED_MM_MIN_TOKENS)}")
     print("\nthe grouped GEMV's variants, whole layer (ms, GPU time):")
     print(f"{'warps':>5} {'cols/warp':>9} {'shared in router':>16} {'1 token':>9} {'32 tokens':>9}")
     for v in variants:
@@ -212,16 +235,25 @@ def main() -> None:
         print(f"best at {t:>2} tokens: warps {best['GEMV_WARPS']}, cols/warp {best['GEMV_COLS_PER_WARP']}, shared in router "
               f"{best['SHARED_IN_ROUTER']}: {best[f'ms_{t}']:.4f} ms = {best[f'ms_{t}'] / read[t]:.2f} x read "
               f"(bar {BARS[t][1]}); the configured one: {cur[f'ms_{t}']:.4f} ms")
+    print("\nshared experts on a side stream or on the layer's stream, whole layer (ms, GPU time):")
+    print(f"{'tokens':>6} {'side':>9} {'one':>9}")
+    for r in streams:
+        print(f"{r['tokens']:>6} {r['side_ms']:>9.4f} {r['one_ms']:>9.4f}")
+    wins = [r["tokens"] for r in streams if r["side_ms"] < r["one_ms"]]
+    lead = max((t for t in wins if all(u in wins for u in STREAM_SWEEP if u <= t)), default=0)
+    print(f"side stream wins up to {lead} tokens (leading run); SHARED_STREAM_MAX_TOKENS = {moe.SHARED_STREAM_MAX_TOKENS}")
     for c in checks:
         print(f"ours vs transformers at {c['tokens']} tokens: max |diff| {c['max_abs_diff_vs_transformers']:.3g} "
               f"(max |out| {c['max_abs_ref']:.3g})")
     result = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "copy_bandwidth_Bps": bw,
-        "thresholds": {"GEMV_MAX_TOKENS": moe.GEMV_MAX_TOKENS, "GROUPED_MM_MIN_TOKENS": moe.GROUPED_MM_MIN_TOKENS},
+        "thresholds": {"GEMV_MAX_TOKENS": moe.GEMV_MAX_TOKENS, "SKINNY_MAX_TOKENS": moe.SKINNY_MAX_TOKENS,
+                       "GROUPED_MM_MIN_TOKENS": moe.GROUPED_MM_MIN_TOKENS},
         "gemv": {"GEMV_KERNEL": moe.GEMV_KERNEL, "GEMV_WARPS": moe.GEMV_WARPS,
                  "GEMV_COLS_PER_WARP": moe.GEMV_COLS_PER_WARP, "SHARED_IN_ROUTER": moe.SHARED_IN_ROUTER},
-        "recommended": recommended, "layer": rows, "paths": sweep, "gemv_variants": variants, "per_choice_layer": per_choice, "checks": checks, "seconds": time.time() - start,
+        "recommended": recommended, "layer": rows, "paths": sweep, "gemv_variants": variants, "per_choice_layer": per_choice,
+        "shared_stream": streams, "shared_stream_max_tokens": moe.SHARED_STREAM_MAX_TOKENS, "checks": checks, "seconds": time.time() - start,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=1))

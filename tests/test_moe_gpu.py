@@ -129,15 +129,13 @@ def test_moe_experts_matches_reference(t, dtype, shape):
 
 
 @pytest.mark.large_reference
-@pytest.mark.parametrize("path", ["gemv", "gemv_per_choice", "mma", "grouped_mm"])
+@pytest.mark.parametrize("path", ["gemv", "gemv_per_choice", "skinny", "mma", "grouped_mm"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_every_path_matches_reference(path, dtype, monkeypatch):
     """Force each regime at the same sizes (thresholds moved), including experts with no tokens."""
     if path == "grouped_mm" and (dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm")):
         pytest.skip("torch._grouped_mm: bf16 only")
-    monkeypatch.setattr(moe, "GEMV_KERNEL", "per_choice" if path == "gemv_per_choice" else "grouped")
-    monkeypatch.setattr(moe, "GEMV_MAX_TOKENS", 10**9 if path.startswith("gemv") else 0)
-    monkeypatch.setattr(moe, "GROUPED_MM_MIN_TOKENS", 1 if path == "grouped_mm" else 10**9)
+    force(monkeypatch, path)
     gate_up, down = experts(64, 2048, 1408, dtype)
     for t in (5, 40):
         x = torch.randn(t, 2048, device="cuda").to(dtype)
@@ -146,14 +144,51 @@ def test_every_path_matches_reference(path, dtype, monkeypatch):
         assert close(moe_experts(x, w, ids, gate_up, down), routed_experts(x, w, ids, gate_up, down), dtype)
 
 
+def force(monkeypatch, path):
+    """Move the thresholds so that every token count takes ``path``."""
+    monkeypatch.setattr(moe, "GEMV_KERNEL", "per_choice" if path == "gemv_per_choice" else "grouped")
+    monkeypatch.setattr(moe, "GEMV_MAX_TOKENS", 10**9 if path.startswith("gemv") else 0)
+    monkeypatch.setattr(moe, "SKINNY_MAX_TOKENS", 10**9 if path == "skinny" else 0)
+    monkeypatch.setattr(moe, "GROUPED_MM_MIN_TOKENS", 1 if path == "grouped_mm" else 10**9)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_one_expert_takes_all_tokens(dtype, monkeypatch):
-    monkeypatch.setattr(moe, "GROUPED_MM_MIN_TOKENS", 10**9)  # our grouped GEMM: 300 rows of one expert
-    gate_up, down = experts(16, 256, 96, dtype)
-    x = torch.randn(300, 256, device="cuda").to(dtype)
-    ids = torch.full((300, 1), 11, dtype=torch.int64, device="cuda")
-    w = torch.rand(300, 1, device="cuda")
+@pytest.mark.parametrize("path,t", [("mma", 300), ("skinny", 100)])
+def test_one_expert_takes_all_tokens(path, t, dtype, monkeypatch):
+    force(monkeypatch, path)  # 300 rows of one expert in 64-row tiles; 100 in 13 tiles of 8, the last partly padding
+    gate_up, down = experts(16, 256, 128, dtype)
+    x = torch.randn(t, 256, device="cuda").to(dtype)
+    ids = torch.full((t, 1), 11, dtype=torch.int64, device="cuda")
+    w = torch.rand(t, 1, device="cuda")
     assert close(moe_experts(x, w, ids, gate_up, down), routed_experts(x, w, ids, gate_up, down), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h,i", [(256, 128), (128, 64), (512, 192)])
+@pytest.mark.parametrize("t", [1, 7, 17, 64])
+def test_skinny_gemm_matches_reference(t, h, i, dtype, monkeypatch):
+    """The skinny grouped GEMM at sizes around its tile (8 rows), one or more 64-column slabs, K a
+    multiple of 64, with shared experts; other h, i fall back (the next test)."""
+    force(monkeypatch, "skinny")
+    gate_up, down = experts(16, h, i, dtype, seed=t)
+    x = torch.randn(t, h, device="cuda").to(dtype)
+    w, ids = random_choice(t, 3, 16, seed=t)
+    shared = torch.randn(t, h, device="cuda").to(dtype)
+    calls = []
+    monkeypatch.setattr(moe, "_skinny_experts", lambda *a, f=moe._skinny_experts: calls.append(1) or f(*a))
+    assert close(moe_experts(x, w, ids, gate_up, down, shared), routed_experts(x, w, ids, gate_up, down) + shared, dtype)
+    assert calls == [1]
+
+
+def test_skinny_gemm_needs_multiples_of_64(monkeypatch):
+    force(monkeypatch, "skinny")
+    calls = []
+    monkeypatch.setattr(moe, "_skinny_experts", lambda *a: calls.append(1))
+    gate_up, down = experts(16, 256, 96, torch.bfloat16)  # I = 96: a multiple of 32, not of 64
+    x = torch.randn(9, 256, device="cuda").to(torch.bfloat16)
+    w, ids = random_choice(9, 2, 16)
+    assert close(moe_experts(x, w, ids, gate_up, down), routed_experts(x, w, ids, gate_up, down), torch.bfloat16)
+    assert calls == []
 
 
 @pytest.mark.large_reference
@@ -188,10 +223,9 @@ def test_moe_experts_refuses_bad_input():
 
 def test_bad_ids_are_dropped_not_read(monkeypatch):
     """Ids outside [0, E) cannot be refused without a host sync: every path skips them (no OOB read)."""
-    gate_up, down = experts(16, 256, 96, torch.bfloat16)
-    for gemv, kernel in ((10**9, "grouped"), (10**9, "per_choice"), (0, "grouped")):
-        monkeypatch.setattr(moe, "GEMV_MAX_TOKENS", gemv)
-        monkeypatch.setattr(moe, "GEMV_KERNEL", kernel)
+    gate_up, down = experts(16, 256, 128, torch.bfloat16)  # I = 128: every path takes it, skinny included
+    for path in ("gemv", "gemv_per_choice", "skinny", "mma"):
+        force(monkeypatch, path)
         x = torch.randn(8, 256, device="cuda").to(torch.bfloat16)
         w, ids = random_choice(8, 2, 16)
         bad = ids.clone()
@@ -333,7 +367,7 @@ def test_decode_moe_layer_in_a_cuda_graph(kernel, monkeypatch):
         layer = MoE(cfg).cuda()
     for p in layer.parameters():
         p.data.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
-    for t in (1, 32, 100):  # the GEMV path, and grouped GEMMs (moe_align on the GPU)
+    for t in (1, 32, 100, 200):  # the GEMV path, the skinny and the grouped GEMMs (moe_align on the GPU)
         x = torch.randn(t, 2048, device="cuda").to(torch.bfloat16)
         layer(x)
         graph = torch.cuda.CUDAGraph()
@@ -344,6 +378,43 @@ def test_decode_moe_layer_in_a_cuda_graph(kernel, monkeypatch):
             graph.replay()
             torch.cuda.synchronize()
             assert close(out, layer(x), torch.bfloat16)
+
+
+@pytest.mark.parametrize("graph", [False, pytest.param(True, marks=pytest.mark.cuda_graph)])
+def test_shared_experts_on_a_side_stream_give_the_same_bits(graph, monkeypatch):
+    """Up to SHARED_STREAM_MAX_TOKENS tokens the shared MLP runs on a side stream: same bits as on one
+    stream, and the combine waits for it. The side stream is held up ~5 ms before the shared MLP, so a
+    combine that did not wait would add a buffer not yet written."""
+    cfg = dataclasses.replace(TINY, n_routed_experts=16, num_experts_per_tok=2, hidden_size=256, moe_intermediate_size=96)
+    torch.manual_seed(0)
+    with default_dtype(torch.bfloat16):
+        layer = MoE(cfg).cuda()
+    for p in layer.parameters():
+        p.data.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+    streams, real = [], layer.shared_experts.forward
+
+    def slow_shared(x):
+        streams.append(torch.cuda.current_stream())
+        torch.cuda._sleep(10**7)
+        return real(x)
+
+    for t in (1, 4, 16):
+        x = torch.randn(t, 256, device="cuda").to(torch.bfloat16)
+        monkeypatch.setattr(moe, "SHARED_STREAM_MAX_TOKENS", 0)
+        want = layer(x)
+        monkeypatch.setattr(moe, "SHARED_STREAM_MAX_TOKENS", 16)
+        monkeypatch.setattr(layer.shared_experts, "forward", slow_shared)
+        got = layer(x)
+        if graph:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                got = layer(x)
+            got.zero_()
+            g.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setattr(layer.shared_experts, "forward", real)
+        assert streams[-1] != torch.cuda.current_stream()
+        assert torch.equal(got, want)
 
 
 def test_auto_backend_uses_the_kernels(monkeypatch):
