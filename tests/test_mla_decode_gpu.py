@@ -255,7 +255,7 @@ def paged_inputs(lengths, block_size, dtype, heads=16, dl=512, dr=64, spare=3, s
     contiguous = torch.zeros(len(lengths), width * block_size, dl + dr, dtype=dtype, device="cuda")
     for b, (t, n) in enumerate(zip(tables, lengths)):
         pos = torch.arange(n)
-        rows = torch.tensor(t)[pos // block_size] * block_size + pos % block_size
+        rows = torch.tensor(t, dtype=torch.int64)[pos // block_size] * block_size + pos % block_size
         contiguous[b, :n] = pool[rows.cuda()]
     return q, pool, table, contiguous
 
@@ -386,20 +386,25 @@ def test_balanced_combine_gives_the_same_bits_at_every_width(dtype, monkeypatch)
     entries untouched; the tiny model's kv_lora_rank 64 at its only width."""
     lengths = [300, 0, 1, 17, 90, 700, 33] * 6
     q, pool, table, contiguous = paged_inputs(lengths, 16, dtype, seed=3)
-    want = mla_decode_reference(q, contiguous, range(len(lengths)), lengths, 0.1147, 512)
+    on_device = torch.tensor(lengths, dtype=torch.int32, device="cuda")  # empty entries: device lengths only
+    full = [b for b, n in enumerate(lengths) if n]
+    want = mla_decode_reference(q[full], contiguous, full, [lengths[b] for b in full], 0.1147, 512)
     results = {}
     for v in mla_decode_mod.COMBINE_WIDTHS:
         monkeypatch.setattr(mla_decode_mod, "combine_width", lambda rows, dl, sms, v=v: v)
         for workers in (5, 264):  # deep workers (few partials per entry) and a wave (many)
-            results[v, workers] = mla_decode_paged(q, pool, table, lengths, 16, 0.1147, 512, workers=workers)
+            results[v, workers] = mla_decode_paged(q, pool, table, on_device, 16, 0.1147, 512, max_length=700,
+                                                   workers=workers)
     for (v, workers), got in results.items():
         assert torch.equal(got, results[2, workers]), f"V = {v}, {workers} workers"
-        assert close(got, want, pool, dtype)
+        assert close(got[full], want, pool, dtype)
         assert torch.equal(got[1], torch.zeros_like(got[1]))
     monkeypatch.undo()
     q, pool, table, contiguous = paged_inputs([40, 0, 9], 16, dtype, heads=4, dl=64, dr=16)
-    want = mla_decode_reference(q, contiguous, range(3), [40, 0, 9], 0.3, 64)
-    assert close(mla_decode_paged(q, pool, table, [40, 0, 9], 16, 0.3, 64, workers=7), want, pool, dtype)
+    want = mla_decode_reference(q[[0, 2]], contiguous, [0, 2], [40, 9], 0.3, 64)
+    got = mla_decode_paged(q, pool, table, torch.tensor([40, 0, 9], dtype=torch.int32, device="cuda"), 16, 0.3, 64,
+                           max_length=40, workers=7)
+    assert close(got[[0, 2]], want, pool, dtype) and torch.equal(got[1], torch.zeros_like(got[1]))
 
 
 @pytest.mark.cuda_graph
