@@ -48,9 +48,9 @@ class BenchConfig:
     prompt_len: int = 512
     prefill_batches: tuple[int, ...] = (1, 8)
     decode_batches: tuple[int, ...] = (1, 8, 32, 128)
-    decode_tokens: int = 32  # m: tokens timed per decode measurement (ours)
+    decode_tokens: int = 64  # m: tokens timed per decode measurement (ours)
     hf_decode_tokens: int = 8  # m for transformers, whose steps are slower
-    repeats: int = 3
+    repeats: int = 5
     transformers: bool = True
     seed: int = 0
     cuda_graphs: bool = True  # ours: decode steps as CUDA graphs (False: eager, every launch from Python)

@@ -306,7 +306,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
             return _gemv_grouped(x, weights, ids, gate_up_proj, down_proj, moe_gemv_items(ids, e), shared=ready(shared))
         y, slot_of = _gemv_experts(x, ids, gate_up_proj, down_proj), None
     elif t <= SKINNY_MAX_TOKENS and h % 64 == 0 and i % 64 == 0:
-        y, slot_of = _skinny_experts(x, ids, gate_up_proj, down_proj)
+        y, slot_of = skinny_experts(x, ids, gate_up_proj, down_proj)
     elif t >= GROUPED_MM_MIN_TOKENS and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         y, slot_of = _grouped_mm_experts(x, ids, gate_up_proj, down_proj)
     else:
@@ -426,7 +426,7 @@ def _mma_experts(x, ids, gate_up_proj, down_proj):
     return y, slot_of
 
 
-def _skinny_experts(x, ids, gate_up_proj, down_proj):
+def skinny_experts(x, ids, gate_up_proj, down_proj):
     """Our skinny grouped GEMMs (``moe_skinny``, bf16/fp16, H and I multiples of 64) on tiles of
     SKINNY_ROWS sorted rows, one expert per tile: (y [tiles·SKINNY_ROWS, H] in sorted order, slot_of)."""
     k, (e, i2, h) = ids.shape[1], gate_up_proj.shape

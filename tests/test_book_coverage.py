@@ -18,8 +18,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # item -> chapter that will show it
 PENDING = {
-    "mla_decode.combine_width": "13",
-    "streams.fork": "14", "streams.join": "14", "streams.side_stream": "14",
 }
 CHAPTERS = {f"{i:02d}" for i in range(15)} | set("ABCD")
 

@@ -175,7 +175,7 @@ def test_skinny_gemm_matches_reference(t, h, i, dtype, monkeypatch):
     w, ids = random_choice(t, 3, 16, seed=t)
     shared = torch.randn(t, h, device="cuda").to(dtype)
     calls = []
-    monkeypatch.setattr(moe, "_skinny_experts", lambda *a, f=moe._skinny_experts: calls.append(1) or f(*a))
+    monkeypatch.setattr(moe, "skinny_experts", lambda *a, f=moe.skinny_experts: calls.append(1) or f(*a))
     assert close(moe_experts(x, w, ids, gate_up, down, shared), routed_experts(x, w, ids, gate_up, down) + shared, dtype)
     assert calls == [1]
 
@@ -183,7 +183,7 @@ def test_skinny_gemm_matches_reference(t, h, i, dtype, monkeypatch):
 def test_skinny_gemm_needs_multiples_of_64(monkeypatch):
     force(monkeypatch, "skinny")
     calls = []
-    monkeypatch.setattr(moe, "_skinny_experts", lambda *a: calls.append(1))
+    monkeypatch.setattr(moe, "skinny_experts", lambda *a: calls.append(1))
     gate_up, down = experts(16, 256, 96, torch.bfloat16)  # I = 96: a multiple of 32, not of 64
     x = torch.randn(9, 256, device="cuda").to(torch.bfloat16)
     w, ids = random_choice(9, 2, 16)
