@@ -72,7 +72,8 @@ MOE_CU = kernels.declare(
     "moe.cu",
     ["topk_softmax", "moe_align"]
     + [f"moe_gemm<{t}, {g}>" for t in ("__nv_bfloat16", "__half") for g in ("true", "false")]
-    + [f"{k}<{t}>" for k in ("moe_gemv_gate_up", "moe_gemv_down", "moe_combine", "moe_route_gemv") for t in CUDA_TYPE.values()]
+    + [f"{k}<{t}>" for k in ("moe_gemv_gate_up", "moe_gemv_down_combine", "moe_combine", "moe_route_gemv")
+       for t in CUDA_TYPE.values()]
     + [f"moe_gemv_grouped<{t}, {g}>" for t in CUDA_TYPE.values() for g in ("true", "false")] + ["moe_gemv_items"]
     + [f"moe_skinny<{t}, {g}>" for t in ("__nv_bfloat16", "__half") for g in ("true", "false")],
 )
@@ -304,7 +305,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     if x.dtype == torch.float32 or t <= GEMV_MAX_TOKENS:
         if GEMV_KERNEL == "grouped" and _items_fit(t * k, e):
             return _gemv_grouped(x, weights, ids, gate_up_proj, down_proj, moe_gemv_items(ids, e), shared=ready(shared))
-        y, slot_of = _gemv_experts(x, ids, gate_up_proj, down_proj), None
+        hid = gemv_gate_up(x, gate_up_proj, ids)
+        return gemv_down_combine(hid, down_proj, ids, weights, ready(shared))
     elif t <= SKINNY_MAX_TOKENS and h % 64 == 0 and i % 64 == 0:
         y, slot_of = skinny_experts(x, ids, gate_up_proj, down_proj)
     elif t >= GROUPED_MM_MIN_TOKENS and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
@@ -312,11 +314,6 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     else:
         y, slot_of = _mma_experts(x, ids, gate_up_proj, down_proj)
     return _combine(y, weights, slot_of, ready(shared))
-
-
-def _gemv_experts(x, ids, gate_up_proj, down_proj) -> torch.Tensor:
-    """y [T·k, H] in choice order: two GEMV launches, blocks = choices x slabs of 16 output columns."""
-    return gemv_down(gemv_gate_up(x, gate_up_proj, ids), down_proj, ids)
 
 
 def gemv_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -330,15 +327,43 @@ def gemv_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, ids: torch.Tensor)
     return hid
 
 
-def gemv_down(hid: torch.Tensor, down_proj: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``y [C, H]`` (``moe_gemv_down``, inputs already checked): row ``c`` is ``hid[c] W_d^T`` of expert
-    ``ids.flatten()[c]`` in fp32, rounded once; zeros for an id outside ``[0, E)``."""
-    (e, h, i), c = down_proj.shape, hid.shape[0]
-    y = torch.empty(c, h, dtype=hid.dtype, device=hid.device)
-    kernels.launch(MOE_CU.function(f"moe_gemv_down<{CUDA_TYPE[hid.dtype]}>", hid.device), (c, -(-h // GEMV_ROWS)),
-                   (256,), (kernels.ptr(y), kernels.ptr(hid), kernels.ptr(down_proj), kernels.ptr(ids),
-                            np.int32(e), np.int32(h), np.int32(i)), shared_mem=4 * i)
-    return y
+def gemv_down_combine(hid: torch.Tensor, down_proj: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                      shared: torch.Tensor | None) -> torch.Tensor:
+    """``out [T, H]`` (``moe_gemv_down_combine``, inputs already checked): each choice's down projection
+    ``hid[c] W_d^T`` (fp32, rounded once; an id outside ``[0, E)`` is dropped), and in the same launch the
+    combine: the weighted sum of a token's choices in pick order, plus ``shared``. The last block of a
+    (token, column slab) to finish does that slab's sum; the blocks count themselves in a per-device
+    buffer of counters that the last one leaves at zero (:func:`_arrival_counters`)."""
+    (e, h, i), (t, k) = down_proj.shape, ids.shape
+    slabs = -(-h // GEMV_ROWS)
+    y = torch.empty(t * k, h, dtype=hid.dtype, device=hid.device)
+    out = torch.empty(t, h, dtype=hid.dtype, device=hid.device)
+    kernels.launch(MOE_CU.function(f"moe_gemv_down_combine<{CUDA_TYPE[hid.dtype]}>", hid.device), (t * k, slabs),
+                   (256,), (kernels.ptr(out), kernels.ptr(y), kernels.ptr(hid), kernels.ptr(down_proj), kernels.ptr(ids),
+                            kernels.ptr(weights), _ptr_or_null(shared), kernels.ptr(_arrival_counters(t * slabs, hid.device)),
+                            np.int32(k), np.int32(e), np.int32(h), np.int32(i)), shared_mem=4 * i)
+    return out
+
+
+_COUNTERS: dict[int, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown buffers: a captured graph may still point at them
+
+
+def _arrival_counters(n: int, device: torch.device) -> torch.Tensor:
+    """At least ``n`` zeroed uint32 counters on ``device``, kept for every later launch (each launch leaves
+    them at zero). Made, or grown, outside a CUDA-graph capture: the first call of a size runs eagerly
+    before a graph captures it (as the graph runner's warm-up does). An outgrown buffer is kept alive,
+    since graphs captured earlier still use it."""
+    buf = _COUNTERS.get(device.index)
+    if buf is None or buf.numel() < n:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"moe: {n} GEMV arrival counters are needed during a CUDA-graph capture; "
+                               "run the step once eagerly before capturing it")
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+        _COUNTERS[device.index] = buf
+    return buf
 
 
 def _ptr_or_null(t: torch.Tensor | None):

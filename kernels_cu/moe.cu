@@ -6,8 +6,8 @@
 //   x [T, H] --moe_gemm<GATE_UP>--> h [cap, I] = silu(x W_g^T) * (x W_u^T), rows in sorted order
 //   h        --moe_gemm<DOWN>-----> y [cap, H] = h W_d^T
 //   y --moe_combine--> out [T, H] = round(sum_j w[t, j] * y[slot_of[t*k + j]]) (+ shared [T, H])
-// and for a few tokens (decode): moe_gemv_gate_up / moe_gemv_down over the T*k choices directly
-// (y rows in choice order, slot_of = identity); for tens of tokens moe_skinny<GATE_UP / DOWN> on
+// and for a few tokens (decode): moe_gemv_gate_up / moe_gemv_down_combine over the T*k choices directly
+// (y rows in choice order; the down launch also does the combine); for tens of tokens moe_skinny<GATE_UP / DOWN> on
 // tiles of 8 sorted rows (moe_align with BLOCK = 8), the tokens as the narrow side of the mma.
 //
 // Rounding follows the PyTorch reference (dsv2_lib/moe.py: routed_experts): the gate|up GEMM output is
@@ -443,13 +443,24 @@ moe_gemv_gate_up(T* __restrict__ h, const T* __restrict__ x, const T* __restrict
     }
 }
 
-// y[c, n] = round(h[c] . W_down[n]) for the warp's two columns n0, n0 + 1.
+// Down projection and combine in one launch. Block (c, slab): y[c, n] = round(h[c] . W_down[n]) for
+// the slab's GEMV_ROWS columns (two per warp), then a count of the blocks done with (token, slab):
+// the k-th, i.e. the last of token t's k choices to finish that slab, sums them in pick order j =
+// 0 .. k-1 for those columns, exactly as moe_combine does (products rounded before the add, the sum
+// rounded to T, then + shared in T; choices with ids outside [0, E) dropped), and writes out[t]. The
+// order of the sum never depends on which block comes last, so the result is the same on every run.
+// Protocol: each writing lane fences (__threadfence) after its y columns, __syncthreads, then one
+// thread counts the block with atomicAdd on arrivals[t * slabs + slab]; the last block resets
+// the counter to 0 (ready for the next launch or graph replay), fences, and reads the other blocks'
+// y through L2 (__ldcg: L1 is not coherent across SMs). Launches sharing `arrivals` must not overlap.
 template <typename T>
 __global__ void __launch_bounds__(GEMV_THREADS)
-moe_gemv_down(T* __restrict__ y, const T* __restrict__ h, const T* __restrict__ w_all,
-              const long long* __restrict__ ids, int E, int H, int I) {
+moe_gemv_down_combine(T* __restrict__ out, T* __restrict__ y, const T* __restrict__ h, const T* __restrict__ w_all,
+                      const long long* __restrict__ ids, const float* __restrict__ weights, const T* __restrict__ shared,
+                      unsigned* __restrict__ arrivals, int topk, int E, int H, int I) {
     static_assert(GEMV_COLS_PER_WARP == 2, "one dot2 per warp");
     extern __shared__ float hs[];
+    __shared__ bool last;
     const int c = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long e = ids[c];
     const bool valid = e >= 0 && e < E;
@@ -457,17 +468,41 @@ moe_gemv_down(T* __restrict__ y, const T* __restrict__ h, const T* __restrict__ 
     for (int i = threadIdx.x; i < I; i += blockDim.x) hs[i] = to_float(hr[i]);
     __syncthreads();
     const int n0 = blockIdx.y * GEMV_ROWS + warp * GEMV_COLS_PER_WARP;
-    if (n0 >= H) return;  // no barrier follows
-    const int n1 = n0 + 1 < H ? n0 + 1 : n0;  // past the edge: read row n0 twice, write it once
-    float s0 = 0.f, s1 = 0.f;
-    if (valid) {
-        const T* W = w_all + e * (long long)H * I;
-        dot2(W + (long long)n0 * I, W + (long long)n1 * I, hs, I, lane, s0, s1);
+    if (n0 < H) {  // warps past the edge skip to the barrier below
+        const int n1 = n0 + 1 < H ? n0 + 1 : n0;  // past the edge: read row n0 twice, write it once
+        float s0 = 0.f, s1 = 0.f;
+        if (valid) {
+            const T* W = w_all + e * (long long)H * I;
+            dot2(W + (long long)n0 * I, W + (long long)n1 * I, hs, I, lane, s0, s1);
+        }
+        if (lane == 0) {
+            y[(long long)c * H + n0] = from_float<T>(s0);
+            if (n1 != n0) y[(long long)c * H + n1] = from_float<T>(s1);
+            __threadfence();  // this warp's columns visible GPU-wide before the block counts itself
+        }
     }
-    if (lane == 0) {
-        y[(long long)c * H + n0] = from_float<T>(s0);
-        if (n1 != n0) y[(long long)c * H + n1] = from_float<T>(s1);
+    __syncthreads();
+    const long long t = c / topk;
+    unsigned* count = arrivals + t * gridDim.y + blockIdx.y;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(count, 1u) == (unsigned)topk - 1;
+        if (last) *count = 0u;
     }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int n = blockIdx.y * GEMV_ROWS + threadIdx.x;
+    if (threadIdx.x >= GEMV_ROWS || n >= H) return;
+    float acc = 0.f;
+    for (int j = 0; j < topk; ++j) {
+        const long long cj = t * topk + j;
+        if (!(ids[cj] >= 0 && ids[cj] < E)) continue;
+        acc = __fadd_rn(acc, __fmul_rn(weights[cj], to_float(__ldcg(y + cj * H + n))));
+    }
+    float x = round_to<T>(acc);
+    if (shared) x = x + to_float(shared[t * H + n]);
+    out[t * H + n] = from_float<T>(x);
 }
 
 // ------------------------------------------------------------------------------------------------
