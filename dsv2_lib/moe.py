@@ -307,7 +307,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
             return _gemv_grouped(x, weights, ids, gate_up_proj, down_proj, moe_gemv_items(ids, e), shared=ready(shared))
         hid = gemv_gate_up(x, gate_up_proj, ids)
         return gemv_down_combine(hid, down_proj, ids, weights, ready(shared))
-    elif t <= SKINNY_MAX_TOKENS and h % 64 == 0 and i % 64 == 0:
+    if t <= SKINNY_MAX_TOKENS and h % 64 == 0 and i % 64 == 0:
         y, slot_of = skinny_experts(x, ids, gate_up_proj, down_proj)
     elif t >= GROUPED_MM_MIN_TOKENS and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         y, slot_of = _grouped_mm_experts(x, ids, gate_up_proj, down_proj)
