@@ -72,8 +72,8 @@ MOE_CU = kernels.declare(
     "moe.cu",
     ["topk_softmax", "moe_align"]
     + [f"moe_gemm<{t}, {g}>" for t in ("__nv_bfloat16", "__half") for g in ("true", "false")]
-    + [f"{k}<{t}>" for k in ("moe_gemv_gate_up", "moe_gemv_down_combine", "moe_combine", "moe_route_gemv")
-       for t in CUDA_TYPE.values()]
+    + [f"{k}<{t}>" for k in ("moe_gemv_down_combine", "moe_combine", "moe_route_gemv") for t in CUDA_TYPE.values()]
+    + [f"moe_gemv_gate_up<{t}, {r}>" for t in CUDA_TYPE.values() for r in ("true", "false")]
     + [f"moe_gemv_grouped<{t}, {g}>" for t in CUDA_TYPE.values() for g in ("true", "false")] + ["moe_gemv_items"]
     + [f"moe_skinny<{t}, {g}>" for t in ("__nv_bfloat16", "__half") for g in ("true", "false")],
 )
@@ -321,9 +321,12 @@ def gemv_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, ids: torch.Tensor)
     ``silu(x[t] W_g^T) * (x[t] W_u^T)`` of expert ``ids[t, j]``, zeros for an id outside ``[0, E)``."""
     (e, i2, h), (t, k) = gate_up_proj.shape, ids.shape
     hid = torch.empty(t * k, i2 // 2, dtype=x.dtype, device=x.device)
-    kernels.launch(MOE_CU.function(f"moe_gemv_gate_up<{CUDA_TYPE[x.dtype]}>", x.device), (t * k, -(-(i2 // 2) // GEMV_ROWS)),
-                   (256,), (kernels.ptr(hid), kernels.ptr(x), kernels.ptr(gate_up_proj), kernels.ptr(ids),
-                            np.int32(k), np.int32(e), np.int32(h), np.int32(i2 // 2)), shared_mem=4 * h)
+    none = np.uint64(0)
+    kernels.launch(MOE_CU.function(f"moe_gemv_gate_up<{CUDA_TYPE[x.dtype]}, false>", x.device),
+                   (t * k, -(-(i2 // 2) // GEMV_ROWS)), (256,),
+                   (kernels.ptr(hid), kernels.ptr(x), kernels.ptr(gate_up_proj), kernels.ptr(ids), np.int32(k), np.int32(e),
+                    np.int32(h), np.int32(i2 // 2), none, none, np.int32(0), np.int32(0), np.int32(0), np.float32(0)),
+                   shared_mem=4 * h)
     return hid
 
 
@@ -496,19 +499,72 @@ def _combine(y, weights, slot_of, shared, ids=None, n_experts=0) -> torch.Tensor
     return out
 
 
-def _decode_applies(x: torch.Tensor, cfg: ModelConfig, shared_w=None) -> bool:
-    """Whether :func:`moe_decode` takes ``x``: kernels on, at most ``GEMV_MAX_TOKENS`` tokens (fp32: up to
-    ``FP32_GEMV_MAX_TOKENS``), the grouped GEMV selected, and shapes the kernels take."""
-    if GEMV_KERNEL != "grouped" or not kernels.use_kernels(x) or x.dtype not in CUDA_TYPE or x.dim() != 2:
+def _router_args(cfg: ModelConfig) -> tuple:
+    """(n_group, topk_group, renorm, scale) as the router kernels take them."""
+    k = cfg.num_experts_per_tok
+    groups = (cfg.n_group, cfg.topk_group) if cfg.topk_method == "group_limited_greedy" else (0, 0)
+    return (*map(np.int32, groups), np.int32(k > 1 and cfg.norm_topk_prob), np.float32(cfg.routed_scaling_factor))
+
+
+def _few_tokens(x: torch.Tensor, cfg: ModelConfig) -> bool:
+    """Kernels on for ``x [T, H]``, 0 < T <= ``GEMV_MAX_TOKENS`` (fp32: ``FP32_GEMV_MAX_TOKENS``), and a
+    router and shapes that the one-warp router inside the GEMV kernels takes."""
+    if not kernels.use_kernels(x) or x.dtype not in CUDA_TYPE or x.dim() != 2:
         return False
     t, h = x.shape
     e, k, i = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     limit = FP32_GEMV_MAX_TOKENS if x.dtype == torch.float32 else GEMV_MAX_TOKENS
     ok = 0 < t <= limit and e <= MAX_EXPERTS and 0 < k <= min(e, MAX_TOPK) and h % 8 == 0 and i % 8 == 0 \
-        and _items_fit(t * k, e) and x.is_contiguous() and kernels.aligned16(x)
+        and x.is_contiguous() and kernels.aligned16(x)
     if cfg.topk_method == "group_limited_greedy":
         g, tg = cfg.n_group, cfg.topk_group
         ok = ok and 0 < g <= 32 and e % g == 0 and 0 < tg <= g and k <= tg * (e // g)
+    return ok
+
+
+def _gemv_layer_applies(x: torch.Tensor, cfg: ModelConfig, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:
+    """Whether :func:`moe_gemv_layer` takes ``x``: the per-choice GEMV selected, few tokens, weights the
+    GEMV kernels take (x's dtype, contiguous, 16-byte aligned, rows that fit the staging buffer)."""
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    return GEMV_KERNEL == "per_choice" and _few_tokens(x, cfg) and gate_up_proj.dtype == down_proj.dtype == x.dtype \
+        and gate_up_proj.is_contiguous() and down_proj.is_contiguous() and kernels.aligned16(gate_up_proj, down_proj) \
+        and h * 4 <= 48 * 1024 and i * 4 <= 48 * 1024
+
+
+def moe_gemv_layer(x: torch.Tensor, logits: torch.Tensor, cfg: ModelConfig, gate_up_proj: torch.Tensor,
+                   down_proj: torch.Tensor, shared: torch.Tensor | None = None,
+                   shared_ready: torch.cuda.Event | None = None) -> torch.Tensor:
+    """The routed experts of a few tokens (``_gemv_layer_applies``), routing included, in two launches:
+    ``moe_gemv_gate_up<T, true>`` routes each block's token itself (topk_softmax's rule; the blocks of
+    column slab 0 store the picks) and computes the gate|up GEMV; ``moe_gemv_down_combine`` the down
+    GEMV and the combine, + ``shared`` (waiting for ``shared_ready`` first, see :func:`moe_experts`).
+    Bit for bit what :func:`topk_softmax` + :func:`moe_experts` give on the GEMV path, one launch less.
+    ``logits [T, E]`` fp32."""
+    t, h = x.shape
+    e, k, i = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    kernels.check(logits, "moe_gemv_layer logits", dtype=torch.float32, shape=(t, e), device=x.device)
+    kernels.check(gate_up_proj, "moe_gemv_layer gate_up_proj", dtype=x.dtype, shape=(e, 2 * i, h), device=x.device)
+    kernels.check(down_proj, "moe_gemv_layer down_proj", dtype=x.dtype, shape=(e, h, i), device=x.device)
+    if shared is not None:
+        kernels.check(shared, "moe_gemv_layer shared", dtype=x.dtype, shape=(t, h), device=x.device)
+    weights = torch.empty(t, k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
+    hid = torch.empty(t * k, i, dtype=x.dtype, device=x.device)
+    kernels.launch(MOE_CU.function(f"moe_gemv_gate_up<{CUDA_TYPE[x.dtype]}, true>", x.device), (t * k, -(-i // GEMV_ROWS)),
+                   (256,), (kernels.ptr(hid), kernels.ptr(x), kernels.ptr(gate_up_proj), kernels.ptr(ids), np.int32(k),
+                            np.int32(e), np.int32(h), np.int32(i), kernels.ptr(logits), kernels.ptr(weights),
+                            *_router_args(cfg)), shared_mem=4 * h)
+    streams.join(shared_ready, x.device)
+    return gemv_down_combine(hid, down_proj, ids, weights, shared)
+
+
+def _decode_applies(x: torch.Tensor, cfg: ModelConfig, shared_w=None) -> bool:
+    """Whether :func:`moe_decode` takes ``x``: the grouped GEMV selected, few tokens (``_few_tokens``),
+    work items that fit the router kernel's shared memory, and shared experts' weights it takes."""
+    if GEMV_KERNEL != "grouped" or not _few_tokens(x, cfg):
+        return False
+    h, i = x.shape[1], cfg.moe_intermediate_size
+    ok = _items_fit(x.shape[0] * cfg.num_experts_per_tok, cfg.n_routed_experts)
     if shared_w is not None:
         gu, dn = shared_w
         ok = ok and gu.shape[0] % (2 * i) == 0 and gu.shape[1] == h and dn.shape == (h, gu.shape[0] // 2) \
@@ -596,13 +652,16 @@ class MoE(nn.Module):
         shared_w = None if sh is None else (sh.gate_up_proj.weight, sh.down_proj.weight)
         if _decode_applies(x, self.cfg, shared_w) and logits.dtype == torch.float32:
             return moe_decode(x, logits, self.cfg, self.experts.gate_up_proj, self.experts.down_proj, shared_w)
-        if sh is None or not kernels.use_kernels(x) or x.shape[0] > SHARED_STREAM_MAX_TOKENS:
-            weights, ids = topk_softmax(logits, self.cfg)
-            shared = sh(x) if sh is not None else None
-            return moe_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, shared)
-        # A few tokens: the shared experts do not depend on the routing, so they run on the side stream
-        # while the router and the routed experts run on this one; the combine waits for them.
-        with streams.fork(x.device) as shared_ready:
+        shared, shared_ready = None, None
+        if sh is not None and kernels.use_kernels(x) and x.shape[0] <= SHARED_STREAM_MAX_TOKENS:
+            # A few tokens: the shared experts do not depend on the routing, so they run on the side
+            # stream while the router and the routed experts run on this one; the combine waits for them.
+            with streams.fork(x.device) as shared_ready:
+                shared = sh(x)
+        elif sh is not None:
             shared = sh(x)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if _gemv_layer_applies(x, self.cfg, gate_up, down):
+            return moe_gemv_layer(x, logits, self.cfg, gate_up, down, shared, shared_ready)
         weights, ids = topk_softmax(logits, self.cfg)
-        return moe_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, shared, shared_ready)
+        return moe_experts(x, weights, ids, gate_up, down, shared, shared_ready)

@@ -417,17 +417,37 @@ __device__ __forceinline__ void dot2(const T* __restrict__ w0, const T* __restri
 }
 
 // h[c, n] = round(silu(round(x[t] . W_gate[n])) * round(x[t] . W_up[n])), t = c / topk.
-template <typename T>
+// ROUTE: the block routes its token itself first (warp 0, route_token: topk_softmax's rule, so the
+// same picks bit for bit) and takes pick j = c % topk; the blocks of column slab 0 store it to
+// weights[c] / ids[c] for the down launch. The other warps stage x meanwhile. This saves the router's
+// own launch on the decode path. Not ROUTE: ids[c] is given, the routing arguments are unused.
+template <typename T, bool ROUTE>
 __global__ void __launch_bounds__(GEMV_THREADS)
-moe_gemv_gate_up(T* __restrict__ h, const T* __restrict__ x, const T* __restrict__ w_all,
-                 const long long* __restrict__ ids, int topk, int E, int H, int I) {
+moe_gemv_gate_up(T* __restrict__ h, const T* __restrict__ x, const T* __restrict__ w_all, long long* __restrict__ ids,
+                 int topk, int E, int H, int I, const float* __restrict__ logits, float* __restrict__ weights,
+                 int n_group, int topk_group, int renorm, float scale) {
     extern __shared__ float xs[];
+    __shared__ long long picked;
     const int c = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long e = ids[c];
-    const bool valid = e >= 0 && e < E;
+    if constexpr (ROUTE) {
+        if (warp == 0) {
+            float w;
+            int id;
+            route_token(logits + (long long)(c / topk) * E, E, topk, n_group, topk_group, renorm, scale, lane, w, id);
+            if (lane == c % topk) {
+                picked = id;
+                if (blockIdx.y == 0) {
+                    weights[c] = w;
+                    ids[c] = id;
+                }
+            }
+        }
+    }
     const T* xr = x + (long long)(c / topk) * H;
     for (int i = threadIdx.x; i < H; i += blockDim.x) xs[i] = to_float(xr[i]);
     __syncthreads();
+    const long long e = ROUTE ? picked : ids[c];
+    const bool valid = e >= 0 && e < E;
 #pragma unroll
     for (int r = 0; r < GEMV_COLS_PER_WARP; ++r) {
         const int n = blockIdx.y * GEMV_ROWS + warp * GEMV_COLS_PER_WARP + r;

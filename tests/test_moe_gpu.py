@@ -164,6 +164,28 @@ def test_one_expert_takes_all_tokens(path, t, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["lite", "group_limited", "renorm"])
+def test_gemv_layer_routes_inside_the_kernel_bit_for_bit(name, dtype, monkeypatch):
+    """At a few tokens MoE.forward takes moe_gemv_layer, whose gate|up launch routes its own token: the
+    same bits as the router kernel + moe_experts on the GEMV path (shared experts on one stream)."""
+    cfg = dataclasses.replace(ROUTER_CASES[name], hidden_size=256, moe_intermediate_size=96)
+    torch.manual_seed(0)
+    with default_dtype(dtype):
+        layer = MoE(cfg).cuda()
+    for p in layer.parameters():
+        p.data.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+    calls = []
+    monkeypatch.setattr(moe, "moe_gemv_layer", lambda *a, f=moe.moe_gemv_layer: calls.append(1) or f(*a))
+    for t in (1, 3, moe.GEMV_MAX_TOKENS) + ((33,) if dtype == torch.float32 else ()):
+        x = torch.randn(t, 256, device="cuda").to(dtype)
+        got = layer(x)
+        w, ids = topk_softmax(torch.nn.functional.linear(x.float(), layer.gate.weight), cfg)
+        want = moe_experts(x, w, ids, layer.experts.gate_up_proj, layer.experts.down_proj, layer.shared_experts(x))
+        assert torch.equal(got, want), t
+    assert len(calls) == 3 + (dtype == torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_combine_is_deterministic_and_leaves_its_counters_at_zero(dtype, monkeypatch):
     """The per-choice GEMV's down launch also combines: the last block of each (token, column slab)
     sums the token's choices. Whichever block comes last, the sum has the same order: every run gives
