@@ -273,7 +273,7 @@ class PagedLatentCache:
             if len(table) * self.block_size < n:
                 raise ValueError(f"sequence {i} has {n} tokens but its block table only {len(table)} blocks "
                                  f"of {self.block_size}")
-            if not all(0 <= b < self.num_blocks for b in table):
+            if table and not (min(table) >= 0 and max(table) < self.num_blocks):  # min/max: C loops, per step
                 raise IndexError(f"sequence {i}: block table {table} outside the pool of {self.num_blocks} blocks")
-        if not all(-1 <= s < self.rows.shape[1] for s in batch.slots):
+        if batch.slots and not (min(batch.slots) >= -1 and max(batch.slots) < self.rows.shape[1]):
             raise IndexError(f"a slot is outside the pool's {self.rows.shape[1]} rows")
