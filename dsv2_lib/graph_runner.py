@@ -71,7 +71,6 @@ class DecodeBuffers:
         """
         n = self.block_table.shape[0]
         B = len(token_ids)
-        pad = n - B
         widest = max(map(len, block_tables), default=0)
         cols = max(self.columns, widest)
         rows = np.zeros((n, 4), dtype=np.int64)  # NumPy: element-wise filling from lists is cheaper than torch's
