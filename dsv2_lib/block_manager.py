@@ -19,6 +19,10 @@ so a shared block is never written and needs no copy-on-write. A block whose las
 keeps its rows and its name ("evictable"), to be reused by a later request with the same prefix, until
 its space is needed: fresh blocks come from never-named blocks first, then from evictable ones,
 least recently released first.
+
+A token id may be ``PENDING`` (-1): a token an asynchronous engine has scheduled but not yet read
+back from the GPU (:mod:`~dsv2_lib.scheduler`). Its slot is allocated as usual; the block it is in is
+named only once every token of the block is known (``set_token``), since a name stands for tokens.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
+
+PENDING = -1  # a token id not known yet (scheduled ahead of the GPU); see set_token
 
 
 def block_bytes(cfg: ModelConfig, dtype: torch.dtype, block_size: int = 16) -> int:
@@ -207,9 +213,19 @@ class BlockManager:
             slots.append(table[-1] * bs + len(tokens) % bs)
             tokens.append(t)
             if self.prefix_caching and len(tokens) % bs == 0:
-                self._name_full_block(seq_id)
+                self._name_full_blocks(seq_id)
         self._peak = max(self._peak, self.num_blocks - self.num_free_blocks)
         return slots
+
+    def set_token(self, seq_id: Hashable, position: int, token: int) -> None:
+        """Replace the ``PENDING`` token at ``position`` of ``seq_id`` by its value, and name the full
+        blocks that are now known (in order: a block's name chains its parent's)."""
+        tokens = self._tokens[seq_id]
+        if tokens[position] != PENDING:
+            raise ValueError(f"sequence {seq_id!r}: position {position} holds token {tokens[position]}, not a pending one")
+        tokens[position] = token
+        if self.prefix_caching:
+            self._name_full_blocks(seq_id)
 
     def free(self, seq_id: Hashable) -> None:
         """Release the blocks of ``seq_id``. Named blocks stay in the prefix cache as evictable,
@@ -250,16 +266,22 @@ class BlockManager:
         self._ref[block] = 1
         return block
 
-    def _name_full_block(self, seq_id: Hashable) -> None:
-        """Name the sequence's last block, just filled, and offer it to the prefix cache.
+    def _name_full_blocks(self, seq_id: Hashable) -> None:
+        """Name the sequence's full blocks past the last named one, in order, while their tokens are all
+        known, and offer each to the prefix cache.
 
         If an equal block is already cached (another sequence computed the same tokens), that one
         stays the shared copy and this one stays private.
         """
-        names, bs = self._names[seq_id], self.block_size
-        name = block_hash(names[-1] if names else None, self._tokens[seq_id][-bs:])
-        names.append(name)
-        block = self._tables[seq_id][-1]
-        if name not in self._cache:
-            self._cache[name] = block
-            self._name[block] = name
+        names, tokens, bs = self._names[seq_id], self._tokens[seq_id], self.block_size
+        while len(names) < len(tokens) // bs:
+            i = len(names)
+            block_tokens = tokens[i * bs: (i + 1) * bs]
+            if PENDING in block_tokens:
+                return
+            name = block_hash(names[-1] if names else None, block_tokens)
+            names.append(name)
+            block = self._tables[seq_id][i]
+            if name not in self._cache:
+                self._cache[name] = block
+                self._name[block] = name

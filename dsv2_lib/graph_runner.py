@@ -49,6 +49,7 @@ class DecodeBuffers:
     slot_mapping: torch.Tensor
     lengths: torch.Tensor
     block_table: torch.Tensor
+    source: torch.Tensor  # [n] int64: row of an earlier step's picks that gives the token, or -1 (fill)
     logits: torch.Tensor | None = None  # the graph's output, set by the capture
     columns: int = 0  # leading columns of block_table that may hold a block id; the rest are all -1
 
@@ -57,12 +58,16 @@ class DecodeBuffers:
         z = dict(device=device)
         return cls(torch.zeros(n, dtype=torch.int64, **z), torch.zeros(n, dtype=torch.int64, **z),
                    torch.full((n,), -1, dtype=torch.int64, **z), torch.zeros(n, dtype=torch.int32, **z),
-                   torch.full((n, width), -1, dtype=torch.int32, **z))
+                   torch.full((n, width), -1, dtype=torch.int32, **z), torch.full((n,), -1, dtype=torch.int64, **z))
 
     def fill(self, token_ids: Sequence[int], starts: Sequence[int], block_tables: Sequence[Sequence[int]],
-             slots: Sequence[int]) -> None:
+             slots: Sequence[int], earlier: tuple[torch.Tensor, Sequence[int]] | None = None) -> None:
         """Write a step of ``B <= n`` entries (entry ``b`` at position ``starts[b]``, its row written to
         ``slots[b]``) and pad the rest; host values, one copy per buffer, no sync.
+
+        ``earlier = (picks, rows)``: the tokens an earlier step sampled, still on the GPU; entry ``b`` with
+        ``rows[b] >= 0`` takes ``picks[rows[b]]`` instead of ``token_ids[b]`` (a gather on the GPU, so the
+        host need not wait for that step: asynchronous scheduling, :mod:`~dsv2_lib.llm`).
 
         Only the table's first ``cols`` columns are written: those this step's tables need and those an
         earlier step left entries in. The table is as wide as the longest context the cache allows
@@ -73,9 +78,13 @@ class DecodeBuffers:
         B = len(token_ids)
         widest = max(map(len, block_tables), default=0)
         cols = max(self.columns, widest)
-        rows = np.zeros((n, 4), dtype=np.int64)  # NumPy: element-wise filling from lists is cheaper than torch's
+        rows = np.zeros((n, 5), dtype=np.int64)  # NumPy: element-wise filling from lists is cheaper than torch's
         rows[:B, 0], rows[:B, 1], rows[:B, 2], rows[B:, 2] = token_ids, starts, slots, -1
         rows[:B, 3] = rows[:B, 1] + 1
+        rows[:, 4] = -1
+        if earlier is not None:
+            rows[:B, 4] = earlier[1]
+            rows[:B, 0] = np.where(rows[:B, 4] >= 0, 0, rows[:B, 0])
         table = np.full((n, cols), -1, dtype=np.int32)
         for b, t in enumerate(block_tables):
             table[b, : len(t)] = t
@@ -88,6 +97,10 @@ class DecodeBuffers:
         self.lengths.copy_(rows[:, 3], non_blocking=True)
         self.block_table[:, :cols].copy_(table, non_blocking=True)
         self.columns = widest
+        if earlier is not None:
+            self.source.copy_(rows[:, 4], non_blocking=True)
+            src = self.source[:B]
+            self.input_ids[:B] = torch.where(src >= 0, earlier[0][src.clamp(min=0)], self.input_ids[:B])
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,26 +155,33 @@ class DecodeGraphRunner:
         self._pool = None
 
     def __call__(self, token_ids: Sequence[int], starts: Sequence[int], block_tables: Sequence[Sequence[int]],
-                 slots: Sequence[int]) -> torch.Tensor:
+                 slots: Sequence[int], earlier: tuple[torch.Tensor, Sequence[int]] | None = None) -> torch.Tensor:
+        """``earlier``: tokens taken from an earlier step's picks on the GPU (:meth:`DecodeBuffers.fill`)."""
         B = len(token_ids)
-        self.check(token_ids, starts, block_tables, slots)
+        self.check(token_ids, starts, block_tables, slots, earlier)
         buffers, batch, graph = self._step(bucket(B, self.buckets))
-        buffers.fill(token_ids, starts, block_tables, slots)
+        buffers.fill(token_ids, starts, block_tables, slots, earlier)
         if graph is None:
             buffers.logits = self._forward(buffers, batch)
         else:
             graph.replay()
         return buffers.logits[:B]
 
-    def check(self, token_ids, starts, block_tables, slots) -> None:
-        """What the graph cannot check, refused here on the host: ids in the vocabulary, tables that fit
-        the buffers, and — as for any step, by :meth:`PagedLatentCache.check_fits` — positions within
-        the cache, tables that cover each position inside the pool, slots inside the pool."""
+    def check(self, token_ids, starts, block_tables, slots, earlier=None) -> None:
+        """What the graph cannot check, refused here on the host: ids in the vocabulary (or rows inside
+        the earlier step's picks), tables that fit the buffers, and — as for any step, by
+        :meth:`PagedLatentCache.check_fits` — positions within the cache, tables that cover each
+        position inside the pool, slots inside the pool."""
         if not len(starts) == len(block_tables) == len(slots) == len(token_ids):
             raise ValueError(f"decode step: {len(token_ids)} tokens, {len(starts)} starts, {len(block_tables)} tables, "
                              f"{len(slots)} slots")
-        for b, (t, table) in enumerate(zip(token_ids, block_tables)):
-            if not 0 <= t < self.vocab:
+        rows = earlier[1] if earlier is not None else [-1] * len(token_ids)
+        if len(rows) != len(token_ids):
+            raise ValueError(f"decode step: {len(token_ids)} tokens but {len(rows)} rows of earlier picks")
+        for b, (t, row, table) in enumerate(zip(token_ids, rows, block_tables)):
+            if row >= 0 and row >= earlier[0].shape[0]:
+                raise ValueError(f"decode entry {b}: row {row} of an earlier step's {earlier[0].shape[0]} picks")
+            if row < 0 and not 0 <= t < self.vocab:
                 raise ValueError(f"decode entry {b}: token id {t} outside the vocabulary [0, {self.vocab})")
             if len(table) > self.width:
                 raise ValueError(f"decode entry {b}: a table of {len(table)} blocks; the buffers hold {self.width}")

@@ -15,13 +15,13 @@ import torch
 from tqdm import tqdm
 
 from . import kernels
-from .block_manager import BlockManager, BlockStats
+from .block_manager import PENDING, BlockManager, BlockStats
 from .checkpoint import load_checkpoint
 from .config import load_config
 from .graph_runner import BUCKETS, DecodeGraphRunner
 from .kv_cache import LatentCache, PagedBatch, PagedLatentCache, SequenceBatch
 from .model import DeepseekV2
-from .sampling import SamplingParams, sample_rows
+from .sampling import SamplingParams, sample_rows, sample_rows_on_device
 from .scheduler import ADMISSIONS, MODES, Scheduler, SchedulerStats, Work
 from .tokenizer import Tokenizer
 from .weights import default_dtype
@@ -115,14 +115,16 @@ class LLM:
     (:meth:`PagedLatentCache.from_gpu_memory`); neither: sized at each run to hold every request's worst
     case at once. After a run, ``last_stats`` holds its :class:`RunStats`. ``cuda_graphs``: decode steps
     on a GPU (bf16/fp16) replay CUDA graphs (:class:`~dsv2_lib.graph_runner.DecodeGraphRunner`); False runs
-    every launch from Python (eager), for debugging and comparison.
+    every launch from Python (eager), for debugging and comparison. ``async_scheduling`` (with
+    ``admission="reserve"``): the host plans and launches step t+1 before it reads step t's tokens
+    back, so its scheduling work overlaps the GPU's (see :meth:`_run_ahead`); the tokens are the same.
     """
 
     def __init__(self, model: str | Path = "tiny", device: str | None = None, dtype: str | torch.dtype | None = None,
                  max_model_len: int | None = None, kv_cache_mib: float | None = None, block_size: int = 16,
                  scheduling: str = "continuous", admission: str = "reserve", prefix_caching: bool = True,
                  max_num_batched_tokens: int | None = 8192, gpu_memory_utilization: float | None = None,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, async_scheduling: bool = True):
         path = resolve_model(model)
         self.config = load_config(path)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -147,7 +149,7 @@ class LLM:
         self.cache = None if kv_cache_mib is None else PagedLatentCache.from_mib(
             self.config, kv_cache_mib, self.dtype, self.device, block_size, self.max_model_len)
         self.last_stats: RunStats | None = None
-        self.cuda_graphs, self._runner = cuda_graphs, None
+        self.cuda_graphs, self.async_scheduling, self._runner = cuda_graphs, async_scheduling, None
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = DeepseekV2(self.config)
         load_checkpoint(self.model, path)
@@ -253,19 +255,63 @@ class LLM:
         prompts' last chunks) with each request's own generator, stop decisions; then record ``last_stats``."""
         generators = [p.generator(self.device) for p in plist]
         start, generated = time.perf_counter(), 0
+        ahead = self.async_scheduling and sched.admission == "reserve"
+        steps = self._run_ahead if ahead else self._run_in_step
         with tqdm(total=len(plist), desc="requests", unit="req", disable=None if progress is None else not progress) as bar:
-            while sched.has_unfinished():
-                work = sched.schedule()
-                sampled = [w for w in work if w.samples]
-                logits = self._step(work, cache) if work else None
-                tokens = sample_rows(logits, [plist[w.request.id] for w in sampled],
-                                     [generators[w.request.id] for w in sampled]) if sampled else []
-                stops = [self._is_stop(t, plist[w.request.id]) for t, w in zip(tokens, sampled)]
-                bar.update(len(sched.update(work, tokens, stops)))
-                generated += len(tokens)
-                for w, t in zip(sampled, tokens):
-                    yield w.request.id, t, w.request.finish_reason
+            for i, token, reason in steps(sched, cache, plist, generators, bar):
+                generated += 1
+                yield i, token, reason
         self.last_stats = RunStats(sched.stats(), sched.blocks.stats(), generated, time.perf_counter() - start)
+
+    def _run_in_step(self, sched, cache, plist, generators, bar) -> Iterator[tuple[int, int, str | None]]:
+        """One step at a time: run it, read its tokens back (the host waits), update, plan the next."""
+        while sched.has_unfinished():
+            work = sched.schedule()
+            sampled = [w for w in work if w.samples]
+            logits = self._step(work, cache) if work else None
+            tokens = sample_rows(logits, [plist[w.request.id] for w in sampled],
+                                 [generators[w.request.id] for w in sampled]) if sampled else []
+            stops = [self._is_stop(t, plist[w.request.id]) for t, w in zip(tokens, sampled)]
+            bar.update(len(sched.update(work, tokens, stops)))
+            for w, t in zip(sampled, tokens):
+                yield w.request.id, t, w.request.finish_reason
+
+    def _run_ahead(self, sched, cache, plist, generators, bar) -> Iterator[tuple[int, int, str | None]]:
+        """One step ahead of the GPU. Step t+1 is planned (its sampled tokens recorded as ``PENDING``)
+        and launched, its decode tokens gathered on the GPU from step t's picks, before the host reads
+        step t's tokens back; so the GPU runs step t+1 while the host resolves step t (stop checks,
+        the placeholders, the yields) and plans step t+2. A request that stops at step t has already
+        been given a token in step t+1: that token is dropped (:meth:`Scheduler.resolve`), its cache row
+        lands in the request's own blocks before any later step reuses them."""
+        pending = None  # (step, sampled work, picks on the GPU, picks on the host, copy done)
+        while sched.has_unfinished() or pending is not None:
+            launched = None
+            if sched.has_unfinished():
+                work = sched.schedule()
+                step, sampled = sched.steps - 1, [w for w in work if w.samples]
+                earlier = None if pending is None else (pending[2], {w.request.id: i for i, w in enumerate(pending[1])})
+                logits = self._step(work, cache, earlier) if work else None
+                if sampled:
+                    picks = sample_rows_on_device(logits, [plist[w.request.id] for w in sampled],
+                                                  [generators[w.request.id] for w in sampled])
+                    host = torch.empty_like(picks, device="cpu", pin_memory=picks.is_cuda)
+                    host.copy_(picks, non_blocking=True)
+                    done = torch.cuda.Event() if picks.is_cuda else None
+                    if done is not None:
+                        done.record()
+                    launched = (step, sampled, picks, host, done)
+                bar.update(len(sched.update(work, [PENDING] * len(sampled), [False] * len(sampled))))
+            if pending is not None:
+                step, sampled, _, host, done = pending
+                if done is not None:
+                    done.synchronize()  # this step only: the one launched above keeps running
+                tokens = host.tolist()
+                stops = [self._is_stop(t, plist[w.request.id]) for t, w in zip(tokens, sampled)]
+                report, finished = sched.resolve(sampled, tokens, stops, step)
+                bar.update(len(finished))
+                for r, t, last in report:
+                    yield r.id, t, r.finish_reason if last else None
+            pending = launched
 
     def _pieces(self, tokens: Iterator[tuple[int, int, str | None]], n: int) -> Iterator[tuple[int, int, str | None]]:
         """``(index, token, reason)`` -> ``(index, token, text piece)``, detokenizing incrementally."""
@@ -280,7 +326,8 @@ class LLM:
                 sent[i] += piece
             yield i, token, piece
 
-    def _step(self, work: list[Work], cache: PagedLatentCache) -> torch.Tensor:
+    def _step(self, work: list[Work], cache: PagedLatentCache,
+              earlier: tuple[torch.Tensor, dict[int, int]] | None = None) -> torch.Tensor:
         """Run the model on one scheduled step: logits of the last token of each work item that samples,
         in work order, ``[sum(w.samples for w in work), vocab]``.
 
@@ -288,27 +335,35 @@ class LLM:
         A step may hold decode items and prefill chunks: each kind is one forward pass over a
         :class:`PagedBatch` of its own (``decode`` picks the attention path), the decode items first, as
         the scheduler lists them (a block a decode item fills is then written before a prefill of the
-        same step that shares it reads it; see :mod:`~dsv2_lib.scheduler`).
+        same step that shares it reads it; see :mod:`~dsv2_lib.scheduler`). ``earlier = (picks, row of
+        each request)``: a token that is ``PENDING`` here is that request's pick of the step before,
+        still on the GPU (:meth:`_run_ahead`).
         """
         logits = []
         for part in ([w for w in work if not w.prefill], [w for w in work if w.prefill]):
             if not part:
                 continue
+            ids = [t for w in part for t in w.token_ids]
+            rows = [earlier[1][w.request.id] if t == PENDING else -1 for w in part for t in w.token_ids]
+            source = None if earlier is None or max(rows) < 0 else (earlier[0], rows)
             if not part[0].prefill and self._graphs_apply(len(part), cache):
                 runner = self._graph_runner(cache)
-                logits.append(runner([w.token_ids[0] for w in part], [w.positions.start for w in part],
-                                     [w.block_table for w in part], [w.slots[0] for w in part]))
+                logits.append(runner(ids, [w.positions.start for w in part], [w.block_table for w in part],
+                                     [w.slots[0] for w in part], source))
                 continue
             batch = PagedBatch(
                 starts=tuple(w.positions.start for w in part), lens=tuple(len(w.token_ids) for w in part),
                 block_tables=tuple(w.block_table for w in part), block_size=cache.block_size,
                 slots=tuple(s for w in part for s in w.slots), decode=not part[0].prefill, device=self.device,
             )
-            tokens = torch.tensor([t for w in part for t in w.token_ids], device=self.device)
+            tokens = torch.tensor(ids, device=self.device)
+            if source is not None:
+                index = torch.tensor(rows, device=self.device)
+                tokens = torch.where(index >= 0, source[0][index.clamp(min=0)], tokens)
             last = [i - 1 for i, w in zip(itertools.accumulate(batch.lens), part) if w.samples]
             hidden = self.model(tokens, batch, cache)[torch.tensor(last, dtype=torch.int64, device=self.device)]
             logits.append(self.model.compute_logits(hidden))
-        return torch.cat(logits)
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
 
     def _graphs_apply(self, batch_size: int, cache: PagedLatentCache) -> bool:
         """Whether a decode step of ``batch_size`` requests runs as a CUDA graph: ``cuda_graphs`` on, the

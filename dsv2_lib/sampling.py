@@ -89,10 +89,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of ``logits [B, V]``, as :func:`sample` picks it for row ``i`` with ``params[i]``
-    and ``generators[i]``: the greedy rows by one batched argmax, the others one by one with their own
-    generator (a request's draws never depend on its neighbours), and one copy to the host for all."""
+    and ``generators[i]``, copied to the host once for all rows (:func:`sample_rows_on_device`)."""
+    return sample_rows_on_device(logits, params, generators).tolist()
+
+
+def sample_rows_on_device(logits: torch.Tensor, params: list[SamplingParams],
+                          generators: list[torch.Generator | None]) -> torch.Tensor:
+    """The picks of :func:`sample_rows` as an int64 tensor ``[B]`` on ``logits``' device, nothing read
+    back: the greedy rows by one batched argmax, the others one by one with their own generator (a
+    request's draws never depend on its neighbours)."""
     picks = logits.argmax(-1)
     for i, (p, g) in enumerate(zip(params, generators)):
         if p.temperature != 0:
             picks[i] = torch.multinomial(filter_logits(logits[i], p).softmax(-1), 1, generator=g)[0]
-    return picks.tolist()
+    return picks

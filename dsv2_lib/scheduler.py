@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
+from .block_manager import PENDING, BlockManager
 
 MODES = ("static", "continuous")
 ADMISSIONS = ("reserve", "optimistic")
@@ -211,6 +211,41 @@ class Scheduler:
                 self.running.remove(r)
                 finished.append(r)
         return finished
+
+    def resolve(self, work: Sequence[Work], tokens: Sequence[int], stops: Sequence[bool],
+                step: int) -> tuple[list[tuple[Request, int, bool]], list[Request]]:
+        """For an engine one step ahead of the GPU: ``update`` got ``PENDING`` for the tokens of ``work``
+        (scheduled at ``step``), finishing only requests that reached ``max_tokens``; here are the tokens
+        and the stop decisions. Each token replaces its placeholder (in the request's output and, where
+        a later step already gave it a slot, in the block manager, which names blocks once they are
+        known). A request stopped here may already have work in the step after: its output is cut after
+        the stop token, and that later token is dropped when its step resolves.
+
+        Returns the tokens to report, ``(request, token, last)`` per item not dropped (``last``: the
+        request's final token), and the requests finished here."""
+        sampled = [w for w in work if w.samples]
+        if not len(tokens) == len(stops) == len(sampled):
+            raise ValueError(f"{len(sampled)} work items sample a token but got {len(tokens)} tokens "
+                             f"and {len(stops)} stop flags")
+        report, finished = [], []
+        for w, token, stop in zip(sampled, tokens, stops):
+            r, pos = w.request, w.positions[-1] + 1  # the token's absolute position
+            i = pos - len(r.prompt)  # its index in r.output
+            if i >= len(r.output) or r.output[i] != PENDING:
+                continue  # r stopped at an earlier step: this token was never to be produced
+            r.output[i] = token
+            if r.status == "running" and self.blocks.num_tokens(r.id) > pos:
+                self.blocks.set_token(r.id, pos, token)
+            if stop:
+                del r.output[i + 1:]
+                r.finish_reason, r.finished_step = "stop", step
+                if r.status == "running":
+                    r.status = "finished"
+                    self.blocks.free(r.id)
+                    self.running.remove(r)
+                    finished.append(r)
+            report.append((r, token, r.status == "finished" and i == len(r.output) - 1))
+        return report, finished
 
     def run(self, step: Callable[[list[Work]], tuple[Sequence[int], Sequence[bool]]]) -> list[Request]:
         """Schedule until every request has finished. ``step(work)`` runs the model and returns one

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv2_lib.block_manager import BlockManager, BlockPoolExhausted, block_bytes, block_hash, blocks_in_mib
+from dsv2_lib.block_manager import PENDING, BlockManager, BlockPoolExhausted, block_bytes, block_hash, blocks_in_mib
 from dsv2_lib.config import DEEPSEEK_V2_LITE
 
 
@@ -276,3 +276,19 @@ def test_random_operations_keep_the_pool_consistent(num_blocks, block_size, cach
         assert s.used_blocks == len(held) and s.used_blocks + s.free_blocks == num_blocks
         assert s.peak_used_blocks >= s.used_blocks
         assert s.evictable_blocks <= s.free_blocks and (caching or s.evictable_blocks == 0)
+
+
+def test_a_block_with_a_pending_token_is_named_once_the_token_is_known():
+    """An engine one step ahead gives a slot to a token it has not read back yet (PENDING). The block it
+    fills cannot be named (a name stands for its tokens) until set_token says what the token is."""
+    bm = BlockManager(8, 4)
+    bm.add_sequence("a", [1, 2, 3])
+    bm.append_slots("a", [1, 2, 3])
+    bm.append_slots("a", [PENDING])  # block 0 is full, its last token unknown
+    assert bm.blocks_to_admit([1, 2, 3, 9, 5], 5) == 2  # no prefix hit: nothing named yet
+    with pytest.raises(ValueError, match="holds token 3, not a pending one"):
+        bm.set_token("a", 2, 7)
+    bm.set_token("a", 3, 9)
+    assert bm.blocks_to_admit([1, 2, 3, 9, 5], 5) == 1
+    assert bm.add_sequence("b", [1, 2, 3, 9, 5]) == 4 and bm.block_table("b") == bm.block_table("a")
+    assert bm.add_sequence("c", [1, 2, 3, 8, 5]) == 0  # another last token: another block

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from dsv2_lib import LLM, SamplingParams
-from dsv2_lib import graph_runner as gr
 from dsv2_lib.graph_runner import DecodeGraphRunner
 from dsv2_lib.kv_cache import PagedLatentCache
 
@@ -51,6 +50,21 @@ def test_engine_tokens_are_the_same_with_graphs_and_with_the_eager_padded_step()
         runs[capture] = [o.token_ids for o in llm.generate(PROMPTS, params)]
         assert llm._runner.capture is capture and len(llm._runner._steps) >= 1
     assert runs[True] == runs[False]
+
+
+def test_async_scheduling_with_graphs_gives_the_same_tokens():
+    """On the GPU, one step ahead: decode tokens gathered into the graph's input buffer from the previous
+    step's picks, read back after the next step is launched. Same tokens as one step at a time, with a
+    stop id ending one request early and seeded sampling."""
+    runs = {}
+    for ahead in (False, True):
+        llm = LLM("tiny", device="cuda", dtype="bfloat16", kv_cache_mib=8, async_scheduling=ahead)
+        greedy = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+        params = [SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[greedy[0][4]]),
+                  *[SamplingParams(max_tokens=10, temperature=0.9, seed=i, ignore_eos=True) for i in range(len(PROMPTS) - 1)]]
+        runs[ahead] = greedy, [(o.token_ids, o.finish_reason) for o in llm.generate(PROMPTS, params)]
+    assert runs[True] == runs[False]
+    assert runs[True][1][0][1] == "stop"
 
 
 def test_a_padded_graph_step_agrees_with_the_unpadded_step():

@@ -394,3 +394,50 @@ def test_stats_summary(tiny):
     for key in ("KV cache pool", "peak active requests:   2", "largest decode batch:   2", "peak blocks allocated",
                 "admission waits:        0", "free blocks at the end", "preemptions", "prefill tokens"):
         assert key in text
+
+
+@pytest.mark.parametrize("scheduling,budget", [("continuous", 8192), ("continuous", 8), ("static", None)])
+def test_async_scheduling_gives_the_same_outputs(tiny, scheduling, budget):
+    """One step ahead (the default) and one step at a time: the same tokens, finish reasons and
+    statistics, with stop ids that end some requests early (their token of the step in flight is
+    dropped), seeded sampling, chunked prefill (budget 8), a request whose prompt shares request 1's
+    first blocks, and a second run whose prompts continue the first run's outputs."""
+    prompt, full = find_prompt_with_new_token_at_step(tiny, 3)
+    stop = full.token_ids[3]
+    prompts = [prompt, list(range(20, 50)), [5] * 9, list(range(20, 33)) + [7], [42]]
+    params = [SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop]),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.0, stop_token_ids=[stop]),
+              SamplingParams(max_tokens=1, temperature=0.0)]
+    runs = {}
+    for ahead in (False, True):
+        llm = LLM("tiny", device="cpu", dtype="float32", kv_cache_mib=40 * tiny_block_mib(4), block_size=4,
+                  scheduling=scheduling, max_num_batched_tokens=budget, async_scheduling=ahead)
+        first = llm.generate(prompts, params)
+        s1 = llm.last_stats
+        again = [p + o.token_ids for p, o in zip(prompts, first)]
+        second = llm.generate(again, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        runs[ahead] = ([(o.token_ids, o.finish_reason) for o in first + second], s1, llm.last_stats)
+    assert runs[True][0] == runs[False][0]
+    assert runs[False][0][0][1] == "stop" and len(runs[False][0][0][0]) == 4  # the stop id ended request 0
+    for (_, *stats_sync), (_, *stats_async) in [(runs[False], runs[True])]:
+        for a, b in zip(stats_sync, stats_async):
+            assert a.generated_tokens == b.generated_tokens
+            assert a.scheduler.prefix_hit_tokens == b.scheduler.prefix_hit_tokens
+            assert b.scheduler.free_blocks == b.scheduler.pool_blocks == 40
+    assert runs[True][1].scheduler.prefix_hit_tokens > 0  # request 3 shares request 1's first blocks
+
+
+def test_async_scheduling_stream_order_and_text(tiny):
+    """``stream`` yields the same (request, token, text piece) events in the same order either way."""
+    prompts = ["To be, or not", "Hello", [5, 17, 42]]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    events = {}
+    try:
+        for ahead in (False, True):
+            tiny.async_scheduling = ahead
+            events[ahead] = list(tiny.stream(prompts, params))
+    finally:
+        tiny.async_scheduling = True
+    assert events[True] == events[False] and len(events[True]) == 18

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv2_lib.block_manager import BlockManager
+from dsv2_lib.block_manager import PENDING, BlockManager
 from dsv2_lib.scheduler import Scheduler, Work
 
 VOCAB, EOS = 20, 0
@@ -42,16 +42,19 @@ class FakeModel:
     def __init__(self, block_size: int, eos: int | None = EOS):
         self.bs, self.eos, self.rows, self.log = block_size, eos, {}, []
 
-    def __call__(self, work: list[Work]) -> tuple[list[int], list[bool]]:
+    def __call__(self, work: list[Work], earlier: dict[int, int] | None = None) -> tuple[list[int], list[bool]]:
+        """``earlier``: request id -> the token it sampled in the step before, for tokens the scheduler
+        still holds as PENDING (an engine one step ahead gathers them on the GPU)."""
+        known = lambda r, t: earlier[r.id] if t == PENDING else t  # noqa: E731
         self.log.append(work)
         for w in work:
             for pos, tok, slot in zip(w.positions, w.token_ids, w.slots):
-                self.rows[slot] = (pos, tok)
+                self.rows[slot] = (pos, known(w.request, tok))
         tokens = []
         for w in work:
             n = w.positions[-1] + 1
             context = [self.rows[w.block_table[p // self.bs] * self.bs + p % self.bs] for p in range(n)]
-            assert context == list(enumerate(w.request.tokens[:n]))
+            assert context == [(p, known(w.request, t)) for p, t in enumerate(w.request.tokens[:n])]
             if w.samples:
                 tokens.append(next_token([t for _, t in context]))
         return tokens, [t == self.eos for t in tokens]
@@ -292,3 +295,76 @@ def test_any_mode_pool_and_budget_that_can_serve_gives_the_same_tokens(
         else:  # decodes first, then prompt chunks, within the budget
             assert [w.prefill for w in work] == sorted(w.prefill for w in work)
             assert sum(len(w.token_ids) for w in work) <= budget
+
+
+def run_ahead(sched: Scheduler, model: FakeModel) -> None:
+    """Drive the scheduler one step ahead, as LLM._run_ahead does: step t+1 is planned and run (its
+    PENDING tokens taken from step t's samples) before step t's tokens are resolved."""
+    pending = None  # (step, sampled work, tokens)
+    while sched.has_unfinished() or pending is not None:
+        launched = None
+        if sched.has_unfinished():
+            work = sched.schedule()
+            step, sampled = sched.steps - 1, [w for w in work if w.samples]
+            earlier = None if pending is None else {w.request.id: t for w, t in zip(pending[1], pending[2])}
+            tokens, _ = model(work, earlier)
+            sched.update(work, [PENDING] * len(sampled), [False] * len(sampled))
+            launched = (step, sampled, tokens)
+        if pending is not None:
+            step, sampled, tokens = pending
+            sched.resolve(sampled, tokens, [t == EOS for t in tokens], step)
+        pending = launched
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.sampled_from(PREFIXES), st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=6),
+                  st.integers(1, 10)),
+        min_size=1, max_size=8),
+    block_size=st.integers(1, 4),
+    extra_blocks=st.integers(0, 8),
+    mode=st.sampled_from(["static", "continuous"]),
+    prefix_caching=st.booleans(),
+    budget=st.sampled_from([None, 1, 2, 3, 5, 8, 8192]),
+)
+def test_one_step_ahead_gives_the_same_tokens(requests, block_size, extra_blocks, mode, prefix_caching, budget):
+    """The scheduler driven one step ahead of the model (update with PENDING, resolve one step later):
+    the same tokens and finish reasons as run alone, every block back in the pool, and the fake model's
+    context check passes, so no slot, shared block or prefix-cache name was wrong (a block is named
+    only once its tokens are known)."""
+    prompts = [prefix + suffix for prefix, suffix, _ in requests]
+    max_len = max(len(p) + m - 1 for p, (_, _, m) in zip(prompts, requests))
+    num_blocks = -(-max_len // block_size) + extra_blocks
+    sched = Scheduler(BlockManager(num_blocks, block_size, prefix_caching), mode, "reserve", budget)
+    reqs = [sched.add_request(p, m) for p, (_, _, m) in zip(prompts, requests)]
+    run_ahead(sched, FakeModel(block_size))
+    assert [r.output for r in reqs] == [reference(p, m, EOS) for p, (_, _, m) in zip(prompts, requests)]
+    assert all(r.status == "finished" and r.finish_reason == ("stop" if r.output[-1] == EOS else "length") for r in reqs)
+    assert sched.stats().free_blocks == num_blocks
+
+
+def test_resolve_cuts_a_stopped_request_and_drops_its_token_in_flight():
+    sched, model = make(8, block_size=4)
+    r = sched.add_request([1, 2, 3], 6)
+    work0 = sched.schedule()  # the prefill samples the first token
+    sched.update(work0, [PENDING], [False])
+    work1 = sched.schedule()  # decodes it, still PENDING
+    assert work1[0].token_ids == (PENDING,) and r.output == [PENDING]
+    sched.update(work1, [PENDING], [False])
+    report, finished = sched.resolve(work0, [EOS], [True], step=0)
+    assert report == [(r, EOS, True)] and finished == [r] and r.output == [EOS] and r.finish_reason == "stop"
+    assert sched.resolve(work1, [9], [False], step=1) == ([], [])  # the token of the step in flight is dropped
+    assert not sched.has_unfinished() and sched.stats().free_blocks == 8
+
+
+def test_resolve_of_the_last_allowed_token_reports_it_last():
+    sched, _ = make(8, block_size=4)
+    r = sched.add_request([1, 2], 2)
+    work0 = sched.schedule()
+    sched.update(work0, [PENDING], [False])
+    work1 = sched.schedule()
+    assert sched.update(work1, [PENDING], [False]) == [r] and r.finish_reason == "length"  # max_tokens: known now
+    assert sched.resolve(work0, [5], [False], step=0) == ([(r, 5, False)], [])
+    assert sched.resolve(work1, [EOS], [True], step=1) == ([(r, EOS, True)], [])  # already finished: not again
+    assert r.output == [5, EOS] and r.finish_reason == "stop"
