@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
                           "default 8192)")
     gen.add_argument("--eager", dest="cuda_graphs", action="store_false",
                      help="launch every kernel from Python (no CUDA graphs for decode steps)")
+    gen.add_argument("--in-step", dest="async_scheduling", action="store_false",
+                     help="read each step's tokens back before planning the next (no host/GPU overlap)")
     gen.add_argument("--stats", action="store_true", help="print the scheduler and cache statistics to stderr")
     add_bench_parser(sub)
     args = parser.parse_args(argv)
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                                 top_p=args.top_p, seed=args.seed)
         llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_mib=args.kv_cache_mib,
                   scheduling=args.scheduling or "continuous", max_num_batched_tokens=args.max_num_batched_tokens,
-                  cuda_graphs=args.cuda_graphs)
+                  cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling)
         outputs = llm.generate(list(args.prompts), params)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -75,6 +77,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--repeats", type=int, default=d.repeats)
     b.add_argument("--no-transformers", dest="transformers", action="store_false", help="measure our engine only")
     b.add_argument("--eager", dest="cuda_graphs", action="store_false", help="ours without CUDA graphs")
+    b.add_argument("--in-step", dest="async_scheduling", action="store_false",
+                   help="ours without planning a step ahead of the GPU")
     b.add_argument("--out", default="bench_results", help="directory for bench.json and bench.png")
 
 
@@ -84,7 +88,8 @@ def bench_command(args) -> int:
     cfg = BenchConfig(model=args.model, checkpoint_dir=args.checkpoint_dir, device=args.device, dtype=args.dtype,
                       prompt_len=args.prompt_len, prefill_batches=tuple(args.prefill_batches),
                       decode_batches=tuple(args.decode_batches), decode_tokens=args.decode_tokens,
-                      repeats=args.repeats, transformers=args.transformers, cuda_graphs=args.cuda_graphs)
+                      repeats=args.repeats, transformers=args.transformers, cuda_graphs=args.cuda_graphs,
+                      async_scheduling=args.async_scheduling)
     record = run(cfg)
     print(table(record))
     js, png = save(record, args.out)

@@ -54,6 +54,7 @@ class BenchConfig:
     transformers: bool = True
     seed: int = 0
     cuda_graphs: bool = True  # ours: decode steps as CUDA graphs (False: eager, every launch from Python)
+    async_scheduling: bool = True  # ours: step t+1 planned and launched before step t's tokens are read back
     gpu_memory_utilization: float | None = 0.85  # ours on a GPU: one KV pool for the whole run (graphs kept)
 
 
@@ -167,7 +168,7 @@ def run(cfg: BenchConfig) -> dict:
         return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
     peak_reset()
-    llm = LLM(path, device=cfg.device, dtype=cfg.dtype, cuda_graphs=cfg.cuda_graphs,
+    llm = LLM(path, device=cfg.device, dtype=cfg.dtype, cuda_graphs=cfg.cuda_graphs, async_scheduling=cfg.async_scheduling,
               gpu_memory_utilization=cfg.gpu_memory_utilization if device.type == "cuda" else None)
     results += measure("ours", lambda ids, n: _ours(llm, ids, n), cfg, model_cfg, device, llm.max_num_batched_tokens)
     memory["ours"] = peak()

@@ -30,11 +30,12 @@ def test_bench_command_line(tmp_path, capsys):
 
     rc = main(["bench", "--model", "tiny", "--device", "cpu", "--dtype", "float32", "--prompt-len", "8",
                "--prefill-batches", "1", "--decode-batches", "2", "--decode-tokens", "2", "--repeats", "1",
-               "--no-transformers", "--out", str(tmp_path)])
+               "--no-transformers", "--in-step", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0 and out.splitlines()[0].split()[:2] == ["batch", "ours"] and "decode" in out
     record = json.loads((tmp_path / "bench.json").read_text())
     assert {r["engine"] for r in record["results"]} == {"ours"} and (tmp_path / "bench.png").is_file()
+    assert record["config"]["async_scheduling"] is False
 
 
 def test_decode_window_opens_when_no_request_is_still_prefilling():

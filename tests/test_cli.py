@@ -34,6 +34,8 @@ def test_scheduling_flags_and_stats():
         for key in ("KV cache pool:          3 blocks of 16 tokens", "peak active requests", "largest decode batch",
                     "peak blocks allocated", "admission waits", "free blocks at the end:", "preemptions"):
             assert key in r.stderr
+    r = run("generate", "--device", "cpu", "--max-tokens", "5", "--in-step", *prompts)  # no host/GPU overlap
+    assert r.returncode == 0 and r.stdout == "".join(f"{p}{t}\n" for p, t in zip(prompts, want)), r.stderr
     r = run("generate", "--static", "--continuous", "hi")
     assert r.returncode == 2 and "not allowed with" in r.stderr
 
