@@ -117,7 +117,9 @@ class LLM:
     on a GPU (bf16/fp16) replay CUDA graphs (:class:`~dsv2_lib.graph_runner.DecodeGraphRunner`); False runs
     every launch from Python (eager), for debugging and comparison. ``async_scheduling`` (with
     ``admission="reserve"``): the host plans and launches step t+1 before it reads step t's tokens
-    back, so its scheduling work overlaps the GPU's (see :meth:`_run_ahead`); the tokens are the same.
+    back, so its scheduling work overlaps the GPU's (see :meth:`_run_ahead`). The tokens are those of
+    one step at a time; on a GPU a step that still carries a request stopped the step before is a
+    different batch, which may round differently, as any change of batch may.
     """
 
     def __init__(self, model: str | Path = "tiny", device: str | None = None, dtype: str | torch.dtype | None = None,
