@@ -346,8 +346,9 @@ class LLM:
             if not part:
                 continue
             ids = [t for w in part for t in w.token_ids]
-            rows = [earlier[1][w.request.id] if t == PENDING else -1 for w in part for t in w.token_ids]
-            source = None if earlier is None or max(rows) < 0 else (earlier[0], rows)
+            source = None  # a decode token still PENDING: row of the step before's picks (prompts are known)
+            if earlier is not None and not part[0].prefill:
+                source = earlier[0], [earlier[1][w.request.id] if w.token_ids[0] == PENDING else -1 for w in part]
             if not part[0].prefill and self._graphs_apply(len(part), cache):
                 runner = self._graph_runner(cache)
                 logits.append(runner(ids, [w.positions.start for w in part], [w.block_table for w in part],
@@ -360,7 +361,7 @@ class LLM:
             )
             tokens = torch.tensor(ids, device=self.device)
             if source is not None:
-                index = torch.tensor(rows, device=self.device)
+                index = torch.tensor(source[1], device=self.device)
                 tokens = torch.where(index >= 0, source[0][index.clamp(min=0)], tokens)
             last = [i - 1 for i, w in zip(itertools.accumulate(batch.lens), part) if w.samples]
             hidden = self.model(tokens, batch, cache)[torch.tensor(last, dtype=torch.int64, device=self.device)]

@@ -99,14 +99,11 @@ class MLA(nn.Module):
         ``positions [T]`` (int64, on x's device) index ``rope_cache [P, rope_dim]`` (rope_cos_sin_cache).
         """
         c = self.cfg
-        if kernels.use_kernels(x) and x.shape[0] <= Q_STREAM_MAX_TOKENS:  # two small GEMMs and a norm, side by side
-            with streams.fork(x.device) as q_ready:
-                q = self.project_q(x)
-            latent, k_pe = self.project_latent(x)
-            streams.join(q_ready, x.device)
-        else:
+        side = kernels.use_kernels(x) and x.shape[0] <= Q_STREAM_MAX_TOKENS  # two small GEMMs and a norm, side by side
+        with streams.fork(x.device, side) as q_ready:
             q = self.project_q(x)
-            latent, k_pe = self.project_latent(x)
+        latent, k_pe = self.project_latent(x)
+        streams.join(q_ready, x.device)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         apply_rope_(q_pe, k_pe, positions, rope_cache, batch.last_position)  # in place, on the strided views of q and kv_a's output
         write_latent_cache(cache, batch, torch.cat([latent, k_pe], dim=-1))

@@ -438,37 +438,34 @@ def _gemv_grouped(x, weights, ids, gate_up_proj, down_proj, work, shared=None, s
     return _combine(y, weights, None, y_sh if shared_w is not None else shared, ids, e)
 
 
-def _mma_experts(x, ids, gate_up_proj, down_proj):
-    """Our grouped tensor-core GEMMs over the TILE_M-padded sorted rows: (y [cap, H], slot_of)."""
+def _tile_experts(x, ids, gate_up_proj, down_proj, kernel: str, rows: int, cols: tuple[int, int], warps: int):
+    """The two launches of a tiled kernel over ``moe_align``'s tiles of ``rows`` sorted rows, one expert
+    each: gate|up then down, grid (tiles, slabs of ``cols`` = (gate|up, down) output columns), ``warps``
+    warps a block: (y [tiles·rows, H] in sorted order, slot_of)."""
     k, (e, i2, h) = ids.shape[1], gate_up_proj.shape
     i, ct = i2 // 2, CUDA_TYPE[x.dtype]
-    sorted_rows, slot_of, tile_expert, _ = moe_align(ids, e, TILE_M)
+    sorted_rows, slot_of, tile_expert, _ = moe_align(ids, e, rows)
     tiles = tile_expert.numel()
-    hid = torch.empty(tiles * TILE_M, i, dtype=x.dtype, device=x.device)
-    y = torch.empty(tiles * TILE_M, h, dtype=x.dtype, device=x.device)
-    for name, out, a, w, n_out, kdim in (("true", hid, x, gate_up_proj, i, h), ("false", y, hid, down_proj, h, i)):
-        n_tile = GEMM_N["gate_up" if name == "true" else "down"]
-        kernels.launch(MOE_CU.function(f"moe_gemm<{ct}, {name}>", x.device), (tiles, -(-n_out // n_tile)), (128,),
+    hid = torch.empty(tiles * rows, i, dtype=x.dtype, device=x.device)
+    y = torch.empty(tiles * rows, h, dtype=x.dtype, device=x.device)
+    for name, out, a, w, n_out, kdim, n_cols in (("true", hid, x, gate_up_proj, i, h, cols[0]),
+                                                 ("false", y, hid, down_proj, h, i, cols[1])):
+        kernels.launch(MOE_CU.function(f"{kernel}<{ct}, {name}>", x.device), (tiles, -(-n_out // n_cols)), (32 * warps,),
                        (kernels.ptr(out), kernels.ptr(a), kernels.ptr(w), kernels.ptr(sorted_rows),
                         kernels.ptr(tile_expert), np.int32(n_out), np.int32(kdim), np.int32(k)))
     return y, slot_of
 
 
+def _mma_experts(x, ids, gate_up_proj, down_proj):
+    """Our grouped tensor-core GEMMs over the TILE_M-padded sorted rows: (y [cap, H], slot_of)."""
+    return _tile_experts(x, ids, gate_up_proj, down_proj, "moe_gemm", TILE_M, (GEMM_N["gate_up"], GEMM_N["down"]), 4)
+
+
 def skinny_experts(x, ids, gate_up_proj, down_proj):
     """Our skinny grouped GEMMs (``moe_skinny``, bf16/fp16, H and I multiples of 64) on tiles of
     SKINNY_ROWS sorted rows, one expert per tile: (y [tiles·SKINNY_ROWS, H] in sorted order, slot_of)."""
-    k, (e, i2, h) = ids.shape[1], gate_up_proj.shape
-    i, ct = i2 // 2, CUDA_TYPE[x.dtype]
-    sorted_rows, slot_of, tile_expert, _ = moe_align(ids, e, SKINNY_ROWS)
-    tiles = tile_expert.numel()
-    hid = torch.empty(tiles * SKINNY_ROWS, i, dtype=x.dtype, device=x.device)
-    y = torch.empty(tiles * SKINNY_ROWS, h, dtype=x.dtype, device=x.device)
     cols = 16 * SKINNY_WARPS
-    for name, out, a, w, n_out, kdim in (("true", hid, x, gate_up_proj, i, h), ("false", y, hid, down_proj, h, i)):
-        kernels.launch(MOE_CU.function(f"moe_skinny<{ct}, {name}>", x.device), (tiles, -(-n_out // cols)),
-                       (32 * SKINNY_WARPS,), (kernels.ptr(out), kernels.ptr(a), kernels.ptr(w), kernels.ptr(sorted_rows),
-                                              kernels.ptr(tile_expert), np.int32(n_out), np.int32(kdim), np.int32(k)))
-    return y, slot_of
+    return _tile_experts(x, ids, gate_up_proj, down_proj, "moe_skinny", SKINNY_ROWS, (cols, cols), SKINNY_WARPS)
 
 
 def _grouped_mm_experts(x, ids, gate_up_proj, down_proj):
@@ -653,13 +650,12 @@ class MoE(nn.Module):
         if _decode_applies(x, self.cfg, shared_w) and logits.dtype == torch.float32:
             return moe_decode(x, logits, self.cfg, self.experts.gate_up_proj, self.experts.down_proj, shared_w)
         shared, shared_ready = None, None
-        if sh is not None and kernels.use_kernels(x) and x.shape[0] <= SHARED_STREAM_MAX_TOKENS:
+        if sh is not None:
             # A few tokens: the shared experts do not depend on the routing, so they run on the side
             # stream while the router and the routed experts run on this one; the combine waits for them.
-            with streams.fork(x.device) as shared_ready:
+            side = kernels.use_kernels(x) and x.shape[0] <= SHARED_STREAM_MAX_TOKENS
+            with streams.fork(x.device, side) as shared_ready:
                 shared = sh(x)
-        elif sh is not None:
-            shared = sh(x)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         if _gemv_layer_applies(x, self.cfg, gate_up, down):
             return moe_gemv_layer(x, logits, self.cfg, gate_up, down, shared, shared_ready)

@@ -206,9 +206,8 @@ class Scheduler:
             r = w.request
             r.output.append(token)
             if stop or len(r.output) >= r.max_tokens:
-                r.status, r.finish_reason, r.finished_step = "finished", "stop" if stop else "length", self.steps - 1
-                self.blocks.free(r.id)
-                self.running.remove(r)
+                r.finish_reason, r.finished_step = "stop" if stop else "length", self.steps - 1
+                self._finish(r)
                 finished.append(r)
         return finished
 
@@ -239,10 +238,8 @@ class Scheduler:
             if stop:
                 del r.output[i + 1:]
                 r.finish_reason, r.finished_step = "stop", step
-                if r.status == "running":
-                    r.status = "finished"
-                    self.blocks.free(r.id)
-                    self.running.remove(r)
+                if r.status == "running":  # else finished already: it reached max_tokens in the step after
+                    self._finish(r)
                     finished.append(r)
             report.append((r, token, r.status == "finished" and i == len(r.output) - 1))
         return report, finished
@@ -318,6 +315,12 @@ class Scheduler:
             if victim is r:
                 return False
         return True
+
+    def _finish(self, r: Request) -> None:
+        """A running request is done: its blocks go back to the pool (named ones stay cached)."""
+        r.status = "finished"
+        self.blocks.free(r.id)
+        self.running.remove(r)
 
     def _preempt(self, r: Request) -> None:
         """Recompute preemption: free r's blocks and queue it first, its output now part of what to prefill."""

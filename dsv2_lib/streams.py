@@ -31,9 +31,14 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 @contextlib.contextmanager
-def fork(device: torch.device) -> Iterator[torch.cuda.Event]:
+def fork(device: torch.device, enabled: bool = True) -> Iterator[torch.cuda.Event | None]:
     """Run the body on ``device``'s side stream, after the work queued so far on the current stream.
-    Yields an event, recorded when the body's work is done: ``join(event)`` before using its results."""
+    Yields an event, recorded when the body's work is done: ``join(event)`` before using its results.
+    ``enabled=False``: the body runs on the current stream and the event is None (``join`` then does
+    nothing), so a caller writes one code path for both."""
+    if not enabled:
+        yield None
+        return
     current, side = torch.cuda.current_stream(device), side_stream(device)
     side.wait_stream(current)
     done = torch.cuda.Event()

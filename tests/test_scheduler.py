@@ -258,8 +258,9 @@ def test_preemption_without_prefix_cache_recomputes_everything():
 PREFIXES = [[], [7, 7, 7, 7, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
 
 
-@settings(max_examples=120, deadline=None)
-@given(
+# Workloads of up to 8 requests (prompts sharing prefixes, 1-10 tokens each), pools from the smallest that
+# can serve them up, every mode and per-step budget.
+WORKLOAD_STRATEGIES = dict(
     requests=st.lists(
         st.tuples(st.sampled_from(PREFIXES), st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=6),
                   st.integers(1, 10)),
@@ -267,17 +268,26 @@ PREFIXES = [[], [7, 7, 7, 7, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
     block_size=st.integers(1, 4),
     extra_blocks=st.integers(0, 8),
     mode=st.sampled_from(["static", "continuous"]),
-    admission=st.sampled_from(["reserve", "optimistic"]),
     prefix_caching=st.booleans(),
     budget=st.sampled_from([None, 1, 2, 3, 5, 8, 8192]),
 )
-def test_any_mode_pool_and_budget_that_can_serve_gives_the_same_tokens(
-        requests, block_size, extra_blocks, mode, admission, prefix_caching, budget):
+
+
+def serve(requests, block_size, extra_blocks, mode, admission, prefix_caching, budget):
+    """A scheduler over the smallest pool that can serve ``requests`` plus ``extra_blocks``, the requests
+    added: (scheduler, requests, prompts, pool size)."""
     prompts = [prefix + suffix for prefix, suffix, _ in requests]
     max_len = max(len(p) + m - 1 for p, (_, _, m) in zip(prompts, requests))
-    num_blocks = -(-max_len // block_size) + extra_blocks  # the smallest pool that can serve, and larger
+    num_blocks = -(-max_len // block_size) + extra_blocks
     sched = Scheduler(BlockManager(num_blocks, block_size, prefix_caching), mode, admission, budget)
-    reqs = [sched.add_request(p, m) for p, (_, _, m) in zip(prompts, requests)]
+    return sched, [sched.add_request(p, m) for p, (_, _, m) in zip(prompts, requests)], prompts, num_blocks
+
+
+@settings(max_examples=120, deadline=None)
+@given(**WORKLOAD_STRATEGIES, admission=st.sampled_from(["reserve", "optimistic"]))
+def test_any_mode_pool_and_budget_that_can_serve_gives_the_same_tokens(
+        requests, block_size, extra_blocks, mode, admission, prefix_caching, budget):
+    sched, reqs, prompts, num_blocks = serve(requests, block_size, extra_blocks, mode, admission, prefix_caching, budget)
     model = FakeModel(block_size)
     assert sched.run(model) == reqs
     assert [r.output for r in reqs] == [reference(p, m, EOS) for p, (_, _, m) in zip(prompts, requests)]
@@ -317,27 +327,13 @@ def run_ahead(sched: Scheduler, model: FakeModel) -> None:
 
 
 @settings(max_examples=120, deadline=None)
-@given(
-    requests=st.lists(
-        st.tuples(st.sampled_from(PREFIXES), st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=6),
-                  st.integers(1, 10)),
-        min_size=1, max_size=8),
-    block_size=st.integers(1, 4),
-    extra_blocks=st.integers(0, 8),
-    mode=st.sampled_from(["static", "continuous"]),
-    prefix_caching=st.booleans(),
-    budget=st.sampled_from([None, 1, 2, 3, 5, 8, 8192]),
-)
+@given(**WORKLOAD_STRATEGIES)
 def test_one_step_ahead_gives_the_same_tokens(requests, block_size, extra_blocks, mode, prefix_caching, budget):
     """The scheduler driven one step ahead of the model (update with PENDING, resolve one step later):
     the same tokens and finish reasons as run alone, every block back in the pool, and the fake model's
     context check passes, so no slot, shared block or prefix-cache name was wrong (a block is named
     only once its tokens are known)."""
-    prompts = [prefix + suffix for prefix, suffix, _ in requests]
-    max_len = max(len(p) + m - 1 for p, (_, _, m) in zip(prompts, requests))
-    num_blocks = -(-max_len // block_size) + extra_blocks
-    sched = Scheduler(BlockManager(num_blocks, block_size, prefix_caching), mode, "reserve", budget)
-    reqs = [sched.add_request(p, m) for p, (_, _, m) in zip(prompts, requests)]
+    sched, reqs, prompts, num_blocks = serve(requests, block_size, extra_blocks, mode, "reserve", prefix_caching, budget)
     run_ahead(sched, FakeModel(block_size))
     assert [r.output for r in reqs] == [reference(p, m, EOS) for p, (_, _, m) in zip(prompts, requests)]
     assert all(r.status == "finished" and r.finish_reason == ("stop" if r.output[-1] == EOS else "length") for r in reqs)
