@@ -478,8 +478,8 @@ def test_auto_backend_uses_the_kernels(monkeypatch):
     monkeypatch.setenv("DSV2_BACKEND", "auto")
     assert kernels.use_kernels(torch.empty(1, device="cuda"))
     calls = []
-    real = moe._combine
-    monkeypatch.setattr(moe, "_combine", lambda *a: calls.append(1) or real(*a))
+    real = moe.gemv_down_combine  # 2 tokens: the GEMV path, whose down launch also combines
+    monkeypatch.setattr(moe, "gemv_down_combine", lambda *a: calls.append(1) or real(*a))
     gate_up, down = experts(16, 256, 96, torch.bfloat16)
     x = torch.randn(2, 256, device="cuda").to(torch.bfloat16)
     w, ids = random_choice(2, 2, 16)
