@@ -17,6 +17,8 @@ V2-Lite's shape: 64 routed experts x 1408, top-6, 2 shared experts, hidden 2048,
    warp, shared experts' gate|up inside the router launch or not): which wins, and the bars.
 4. The shared experts on a side stream or not (SHARED_STREAM_MAX_TOKENS), whole layer, 1 ... 512
    tokens: the largest size where the side stream still wins is the threshold.
+5. The routing inside the gate|up launch (``moe_gemv_layer``) or in the router kernel before
+   ``moe_experts``, whole layer, at 1, 2 and 4 tokens (the sizes where the GEMV path takes it).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from dsv2_lib.weights import default_dtype
 SIZES = (1, 32, 512, 4096)
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 STREAM_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 512)
+ROUTING_SIZES = (1, 2, 4)
 GEMV_SWEEP_MAX = 256  # the GEMV paths are timed up to this many tokens
 VARIANTS = [dict(GEMV_WARPS=w, GEMV_COLS_PER_WARP=c, SHARED_IN_ROUTER=r)
             for w, c in ((8, 1), (4, 1), (8, 2), (4, 2), (8, 4)) for r in (True, False)]
@@ -201,6 +204,16 @@ def main() -> None:
             streams.append(r)
         moe.SHARED_STREAM_MAX_TOKENS = saved_streams
 
+        # the routing inside the gate|up launch or in the router kernel (moe_gemv_layer switched off)
+        routing, fused = [], moe._gemv_layer_applies
+        for t in ROUTING_SIZES:
+            x = torch.randn(t, H, device="cuda").to(torch.bfloat16)
+            r = {"tokens": t, "in_gemv_ms": time_cuda_graph(lambda: ours(x), calls=10)}
+            moe._gemv_layer_applies = lambda *a: False
+            r["router_kernel_ms"] = time_cuda_graph(lambda: ours(x), calls=10)
+            moe._gemv_layer_applies = fused
+            routing.append(r)
+
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; GPU {torch.cuda.get_device_name()}")
     print(f"{'tokens':>6} {'ours ms':>9} {'(call)':>8} {'HF ms':>8} {'base ms':>8} {'ours TF/s':>9} "
           f"{'weights ms':>10} {'ours/read':>9}")
@@ -242,6 +255,10 @@ def main() -> None:
     wins = [r["tokens"] for r in streams if r["side_ms"] < r["one_ms"]]
     lead = max((t for t in wins if all(u in wins for u in STREAM_SWEEP if u <= t)), default=0)
     print(f"side stream wins up to {lead} tokens (leading run); SHARED_STREAM_MAX_TOKENS = {moe.SHARED_STREAM_MAX_TOKENS}")
+    print("\nrouting inside the gate|up GEMV launch or in the router kernel, whole layer (ms, GPU time):")
+    print(f"{'tokens':>6} {'in GEMV':>9} {'router':>9}")
+    for r in routing:
+        print(f"{r['tokens']:>6} {r['in_gemv_ms']:>9.4f} {r['router_kernel_ms']:>9.4f}")
     for c in checks:
         print(f"ours vs transformers at {c['tokens']} tokens: max |diff| {c['max_abs_diff_vs_transformers']:.3g} "
               f"(max |out| {c['max_abs_ref']:.3g})")
@@ -253,7 +270,7 @@ def main() -> None:
         "gemv": {"GEMV_KERNEL": moe.GEMV_KERNEL, "GEMV_WARPS": moe.GEMV_WARPS,
                  "GEMV_COLS_PER_WARP": moe.GEMV_COLS_PER_WARP, "SHARED_IN_ROUTER": moe.SHARED_IN_ROUTER},
         "recommended": recommended, "layer": rows, "paths": sweep, "gemv_variants": variants, "per_choice_layer": per_choice,
-        "shared_stream": streams, "shared_stream_max_tokens": moe.SHARED_STREAM_MAX_TOKENS, "checks": checks, "seconds": time.time() - start,
+        "shared_stream": streams, "shared_stream_max_tokens": moe.SHARED_STREAM_MAX_TOKENS, "routing": routing, "checks": checks, "seconds": time.time() - start,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=1))
