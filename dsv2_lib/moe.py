@@ -54,9 +54,10 @@ GEMV_TB = 8                  # choices per work item of the grouped GEMV (GEMV_T
 GEMV_WARPS = 4               # warps per block of the grouped GEMV kernels (1..8: __launch_bounds__(256))
 GEMV_COLS_PER_WARP = 1       # output columns per warp of the grouped GEMV (grid y = cols / (warps * this))
 SHARED_IN_ROUTER = False     # moe_decode: the shared experts' gate|up runs in the router kernel's launch
-SHARED_STREAM_MAX_TOKENS = 16  # up to this many tokens the shared experts run on a side stream (streams.py):
-# measured on the whole layer (bench_moe.py), 1 token 0.056 vs 0.067 ms, 16 tokens 0.301 vs 0.312; at 32
-# and 64 tokens the skinny GEMM streams at full bandwidth and the side stream slowed it (0.337 vs 0.327)
+SHARED_STREAM_MAX_TOKENS = 16  # beyond the GEMV path (where the shared experts are choices of its launches),
+# up to this many tokens the shared experts run on a side stream (streams.py): measured on the whole layer
+# (bench_moe.py, 2026-11-29), 8 tokens 0.211 vs 0.222 ms, 16 tokens 0.260 vs 0.265; at 32 and 64 tokens the
+# skinny GEMM streams at full bandwidth and the side stream slowed it (0.347 vs 0.337, 0.403 vs 0.334)
 ROUTER_THREADS = 256         # block of moe_route_gemv (block 0 routes, one warp per token; the rest: shared gate|up)
 TILE_M = 64                  # rows per tile of our grouped GEMM (BM in moe.cu)
 SKINNY_ROWS = 8              # sorted rows (tokens) per tile of the skinny GEMM (moe.cu)
@@ -72,8 +73,8 @@ MOE_CU = kernels.declare(
     "moe.cu",
     ["topk_softmax", "moe_align"]
     + [f"moe_gemm<{t}, {g}>" for t in ("__nv_bfloat16", "__half") for g in ("true", "false")]
-    + [f"{k}<{t}>" for k in ("moe_gemv_down_combine", "moe_combine", "moe_route_gemv") for t in CUDA_TYPE.values()]
-    + [f"moe_gemv_gate_up<{t}, {r}>" for t in CUDA_TYPE.values() for r in ("true", "false")]
+    + [f"{k}<{t}>" for k in ("moe_gemv_gate_up", "moe_gemv_down_combine", "moe_combine", "moe_route_gemv")
+       for t in CUDA_TYPE.values()]
     + [f"moe_gemv_grouped<{t}, {g}>" for t in CUDA_TYPE.values() for g in ("true", "false")] + ["moe_gemv_items"]
     + [f"moe_skinny<{t}, {g}>" for t in ("__nv_bfloat16", "__half") for g in ("true", "false")],
 )
@@ -305,8 +306,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     if x.dtype == torch.float32 or t <= GEMV_MAX_TOKENS:
         if GEMV_KERNEL == "grouped" and _items_fit(t * k, e):
             return _gemv_grouped(x, weights, ids, gate_up_proj, down_proj, moe_gemv_items(ids, e), shared=ready(shared))
-        hid = gemv_gate_up(x, gate_up_proj, ids)
-        return gemv_down_combine(hid, down_proj, ids, weights, ready(shared))
+        return moe_gemv(x, weights, ids, gate_up_proj, down_proj, shared=ready(shared))
     if t <= SKINNY_MAX_TOKENS and h % 64 == 0 and i % 64 == 0:
         y, slot_of = skinny_experts(x, ids, gate_up_proj, down_proj)
     elif t >= GROUPED_MM_MIN_TOKENS and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
@@ -316,35 +316,54 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     return _combine(y, weights, slot_of, ready(shared))
 
 
-def gemv_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``h [T·k, I]`` (``moe_gemv_gate_up``, inputs already checked): choice ``c = t·k + j`` gets
-    ``silu(x[t] W_g^T) * (x[t] W_u^T)`` of expert ``ids[t, j]``, zeros for an id outside ``[0, E)``."""
+def moe_gemv(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+             down_proj: torch.Tensor, shared: torch.Tensor | None = None,
+             shared_w: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The per-choice GEMV path (inputs already checked): ``gemv_gate_up`` then ``gemv_down_combine``.
+    The shared experts come either as ``shared [T, H]`` (their MLP's output) or as ``shared_w`` =
+    (gate_up ``[2·P·I, H]``, down ``[H, P·I]``), the shared MLP's weights, which then run as P more
+    choices of weight 1 per token in the same two launches (no MLP, no side stream)."""
+    hid = gemv_gate_up(x, gate_up_proj, ids, None if shared_w is None else shared_w[0])
+    return gemv_down_combine(hid, down_proj, ids, weights, shared, None if shared_w is None else shared_w[1])
+
+
+def gemv_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, ids: torch.Tensor,
+                 shared_gate_up: torch.Tensor | None = None) -> torch.Tensor:
+    """``h [T·(k + P), I]`` (``moe_gemv_gate_up``, inputs already checked): choice ``c = t·k + j`` gets
+    ``silu(x[t] W_g^T) * (x[t] W_u^T)`` of expert ``ids[t, j]``, zeros for an id outside ``[0, E)``; row
+    ``T·k + t·P + p`` the same for part p of the shared experts (``shared_gate_up [2·P·I, H]``: gate
+    rows ``p·I ..``, up rows ``(P + p)·I ..``; P = 0 without it)."""
     (e, i2, h), (t, k) = gate_up_proj.shape, ids.shape
-    hid = torch.empty(t * k, i2 // 2, dtype=x.dtype, device=x.device)
-    none = np.uint64(0)
-    kernels.launch(MOE_CU.function(f"moe_gemv_gate_up<{CUDA_TYPE[x.dtype]}, false>", x.device),
-                   (t * k, -(-(i2 // 2) // GEMV_ROWS)), (256,),
+    i = i2 // 2
+    parts = 0 if shared_gate_up is None else shared_gate_up.shape[0] // i2
+    hid = torch.empty(t * (k + parts), i, dtype=x.dtype, device=x.device)
+    kernels.launch(MOE_CU.function(f"moe_gemv_gate_up<{CUDA_TYPE[x.dtype]}>", x.device),
+                   (t * (k + parts), -(-i // GEMV_ROWS)), (256,),
                    (kernels.ptr(hid), kernels.ptr(x), kernels.ptr(gate_up_proj), kernels.ptr(ids), np.int32(k), np.int32(e),
-                    np.int32(h), np.int32(i2 // 2), none, none, np.int32(0), np.int32(0), np.int32(0), np.float32(0)),
-                   shared_mem=4 * h)
+                    np.int32(h), np.int32(i), _ptr_or_null(shared_gate_up), np.int32(parts)), shared_mem=4 * h)
     return hid
 
 
 def gemv_down_combine(hid: torch.Tensor, down_proj: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                      shared: torch.Tensor | None) -> torch.Tensor:
+                      shared: torch.Tensor | None, shared_down: torch.Tensor | None = None) -> torch.Tensor:
     """``out [T, H]`` (``moe_gemv_down_combine``, inputs already checked): each choice's down projection
     ``hid[c] W_d^T`` (fp32, rounded once; an id outside ``[0, E)`` is dropped), and in the same launch the
-    combine: the weighted sum of a token's choices in pick order, plus ``shared``. The last block of a
-    (token, column slab) to finish does that slab's sum; the blocks count themselves in a per-device
-    buffer of counters that the last one leaves at zero (:func:`_arrival_counters`)."""
+    combine: the weighted sum of a token's choices in pick order, plus the shared experts: ``shared``,
+    or with ``shared_down [H, P·I]`` the down projections of ``hid``'s P shared rows per token, summed
+    in fp32 and rounded once, as the shared MLP's down projection. The last block of a (token, column
+    slab) to finish does that slab's sum; the blocks count themselves in a per-device buffer of
+    counters that the last one leaves at zero (:func:`_arrival_counters`)."""
     (e, h, i), (t, k) = down_proj.shape, ids.shape
+    parts = 0 if shared_down is None else shared_down.shape[1] // i
     slabs = -(-h // GEMV_ROWS)
     y = torch.empty(t * k, h, dtype=hid.dtype, device=hid.device)
+    y_shared = torch.empty(t * parts, h, dtype=torch.float32, device=hid.device)
     out = torch.empty(t, h, dtype=hid.dtype, device=hid.device)
-    kernels.launch(MOE_CU.function(f"moe_gemv_down_combine<{CUDA_TYPE[hid.dtype]}>", hid.device), (t * k, slabs),
-                   (256,), (kernels.ptr(out), kernels.ptr(y), kernels.ptr(hid), kernels.ptr(down_proj), kernels.ptr(ids),
-                            kernels.ptr(weights), _ptr_or_null(shared), kernels.ptr(_arrival_counters(t * slabs, hid.device)),
-                            np.int32(k), np.int32(e), np.int32(h), np.int32(i)), shared_mem=4 * i)
+    kernels.launch(MOE_CU.function(f"moe_gemv_down_combine<{CUDA_TYPE[hid.dtype]}>", hid.device), (t * (k + parts), slabs),
+                   (256,), (kernels.ptr(out), kernels.ptr(y), kernels.ptr(y_shared), kernels.ptr(hid), kernels.ptr(down_proj),
+                            kernels.ptr(ids), kernels.ptr(weights), _ptr_or_null(shared), _ptr_or_null(shared_down),
+                            kernels.ptr(_arrival_counters(t * slabs, hid.device)), np.int32(k), np.int32(e), np.int32(h),
+                            np.int32(i), np.int32(parts)), shared_mem=4 * i)
     return out
 
 
@@ -496,16 +515,9 @@ def _combine(y, weights, slot_of, shared, ids=None, n_experts=0) -> torch.Tensor
     return out
 
 
-def _router_args(cfg: ModelConfig) -> tuple:
-    """(n_group, topk_group, renorm, scale) as the router kernels take them."""
-    k = cfg.num_experts_per_tok
-    groups = (cfg.n_group, cfg.topk_group) if cfg.topk_method == "group_limited_greedy" else (0, 0)
-    return (*map(np.int32, groups), np.int32(k > 1 and cfg.norm_topk_prob), np.float32(cfg.routed_scaling_factor))
-
-
 def _few_tokens(x: torch.Tensor, cfg: ModelConfig) -> bool:
     """Kernels on for ``x [T, H]``, 0 < T <= ``GEMV_MAX_TOKENS`` (fp32: ``FP32_GEMV_MAX_TOKENS``), and a
-    router and shapes that the one-warp router inside the GEMV kernels takes."""
+    router and shapes that the one-warp router kernels take."""
     if not kernels.use_kernels(x) or x.dtype not in CUDA_TYPE or x.dim() != 2:
         return False
     t, h = x.shape
@@ -519,40 +531,20 @@ def _few_tokens(x: torch.Tensor, cfg: ModelConfig) -> bool:
     return ok
 
 
-def _gemv_layer_applies(x: torch.Tensor, cfg: ModelConfig, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:
-    """Whether :func:`moe_gemv_layer` takes ``x``: the per-choice GEMV selected, few tokens, weights the
-    GEMV kernels take (x's dtype, contiguous, 16-byte aligned, rows that fit the staging buffer)."""
+def _gemv_applies(x: torch.Tensor, cfg: ModelConfig, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                  shared_w: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    """Whether ``MoE.forward`` hands ``x`` to :func:`moe_gemv` with the shared experts' weights: the
+    per-choice GEMV selected, few tokens (``_few_tokens``), routed and shared weights the GEMV kernels
+    take (x's dtype, contiguous, 16-byte aligned, rows that fit the staging buffer, the shared MLP's
+    intermediate a whole number of expert widths, or no shared experts)."""
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
-    return GEMV_KERNEL == "per_choice" and _few_tokens(x, cfg) and gate_up_proj.dtype == down_proj.dtype == x.dtype \
-        and gate_up_proj.is_contiguous() and down_proj.is_contiguous() and kernels.aligned16(gate_up_proj, down_proj) \
-        and h * 4 <= 48 * 1024 and i * 4 <= 48 * 1024
-
-
-def moe_gemv_layer(x: torch.Tensor, logits: torch.Tensor, cfg: ModelConfig, gate_up_proj: torch.Tensor,
-                   down_proj: torch.Tensor, shared: torch.Tensor | None = None,
-                   shared_ready: torch.cuda.Event | None = None) -> torch.Tensor:
-    """The routed experts of a few tokens (``_gemv_layer_applies``), routing included, in two launches:
-    ``moe_gemv_gate_up<T, true>`` routes each block's token itself (topk_softmax's rule; the blocks of
-    column slab 0 store the picks) and computes the gate|up GEMV; ``moe_gemv_down_combine`` the down
-    GEMV and the combine, + ``shared`` (waiting for ``shared_ready`` first, see :func:`moe_experts`).
-    Bit for bit what :func:`topk_softmax` + :func:`moe_experts` give on the GEMV path, one launch less.
-    ``logits [T, E]`` fp32."""
-    t, h = x.shape
-    e, k, i = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-    kernels.check(logits, "moe_gemv_layer logits", dtype=torch.float32, shape=(t, e), device=x.device)
-    kernels.check(gate_up_proj, "moe_gemv_layer gate_up_proj", dtype=x.dtype, shape=(e, 2 * i, h), device=x.device)
-    kernels.check(down_proj, "moe_gemv_layer down_proj", dtype=x.dtype, shape=(e, h, i), device=x.device)
-    if shared is not None:
-        kernels.check(shared, "moe_gemv_layer shared", dtype=x.dtype, shape=(t, h), device=x.device)
-    weights = torch.empty(t, k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
-    hid = torch.empty(t * k, i, dtype=x.dtype, device=x.device)
-    kernels.launch(MOE_CU.function(f"moe_gemv_gate_up<{CUDA_TYPE[x.dtype]}, true>", x.device), (t * k, -(-i // GEMV_ROWS)),
-                   (256,), (kernels.ptr(hid), kernels.ptr(x), kernels.ptr(gate_up_proj), kernels.ptr(ids), np.int32(k),
-                            np.int32(e), np.int32(h), np.int32(i), kernels.ptr(logits), kernels.ptr(weights),
-                            *_router_args(cfg)), shared_mem=4 * h)
-    streams.join(shared_ready, x.device)
-    return gemv_down_combine(hid, down_proj, ids, weights, shared)
+    weights = [gate_up_proj, down_proj, *(shared_w or ())]
+    ok = GEMV_KERNEL == "per_choice" and _few_tokens(x, cfg) and h * 4 <= 48 * 1024 and i * 4 <= 48 * 1024 \
+        and all(w.dtype == x.dtype and w.is_contiguous() for w in weights) and kernels.aligned16(*weights)
+    if ok and shared_w is not None:
+        (n2, hg), (hd, n) = shared_w[0].shape, shared_w[1].shape
+        ok = hg == hd == h and n2 == 2 * n and n % i == 0 and n > 0
+    return ok
 
 
 def _decode_applies(x: torch.Tensor, cfg: ModelConfig, shared_w=None) -> bool:
@@ -649,15 +641,17 @@ class MoE(nn.Module):
         shared_w = None if sh is None else (sh.gate_up_proj.weight, sh.down_proj.weight)
         if _decode_applies(x, self.cfg, shared_w) and logits.dtype == torch.float32:
             return moe_decode(x, logits, self.cfg, self.experts.gate_up_proj, self.experts.down_proj, shared_w)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if _gemv_applies(x, self.cfg, gate_up, down, shared_w):
+            # the shared experts as more choices of the two GEMV launches
+            weights, ids = topk_softmax(logits, self.cfg)
+            return moe_gemv(x, weights, ids, gate_up, down, shared_w=shared_w)
         shared, shared_ready = None, None
         if sh is not None:
-            # A few tokens: the shared experts do not depend on the routing, so they run on the side
+            # Tens of tokens: the shared experts do not depend on the routing, so they run on the side
             # stream while the router and the routed experts run on this one; the combine waits for them.
             side = kernels.use_kernels(x) and x.shape[0] <= SHARED_STREAM_MAX_TOKENS
             with streams.fork(x.device, side) as shared_ready:
                 shared = sh(x)
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        if _gemv_layer_applies(x, self.cfg, gate_up, down):
-            return moe_gemv_layer(x, logits, self.cfg, gate_up, down, shared, shared_ready)
         weights, ids = topk_softmax(logits, self.cfg)
         return moe_experts(x, weights, ids, gate_up, down, shared, shared_ready)

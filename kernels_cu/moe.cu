@@ -7,7 +7,8 @@
 //   h        --moe_gemm<DOWN>-----> y [cap, H] = h W_d^T
 //   y --moe_combine--> out [T, H] = round(sum_j w[t, j] * y[slot_of[t*k + j]]) (+ shared [T, H])
 // and for a few tokens (decode): moe_gemv_gate_up / moe_gemv_down_combine over the T*k choices directly
-// (y rows in choice order; the down launch also does the combine); for tens of tokens moe_skinny<GATE_UP / DOWN> on
+// and the shared experts as more choices of weight 1 (y rows in choice order; the down launch also does
+// the combine); for tens of tokens moe_skinny<GATE_UP / DOWN> on
 // tiles of 8 sorted rows (moe_align with BLOCK = 8), the tokens as the narrow side of the mma.
 //
 // Rounding follows the PyTorch reference (dsv2_lib/moe.py: routed_experts): the gate|up GEMM output is
@@ -386,7 +387,8 @@ moe_gemm(T* __restrict__ out, const T* __restrict__ a_src, const T* __restrict__
 }
 
 // ------------------------------------------------------------------------------------------------
-// GEMV path (a few tokens). blockIdx.x = choice c = t*k + j (expert ids[c]), blockIdx.y = a slab of
+// GEMV path (a few tokens). blockIdx.x = choice c = t*k + j (expert ids[c]) or, past the T*k routed
+// choices, a part of token t's shared experts (see moe_gemv_gate_up), blockIdx.y = a slab of
 // GEMV_ROWS = 16 output columns; 8 warps, 2 columns per warp. The block keeps its input row (x[t] or
 // h[c]) in shared memory as fp32; each warp streams its weight rows with 16-byte loads (lane l reads
 // vectors l, l+32, ...), reduces with shuffles, lane 0 writes. So the 6 selected experts' weights are
@@ -416,47 +418,43 @@ __device__ __forceinline__ void dot2(const T* __restrict__ w0, const T* __restri
     s1 = warp_sum(a1);
 }
 
-// h[c, n] = round(silu(round(x[t] . W_gate[n])) * round(x[t] . W_up[n])), t = c / topk.
-// ROUTE: the block routes its token itself first (warp 0, route_token: topk_softmax's rule, so the
-// same picks bit for bit) and takes pick j = c % topk; the blocks of column slab 0 store it to
-// weights[c] / ids[c] for the down launch. The other warps stage x meanwhile. This saves the router's
-// own launch on the decode path. Not ROUTE: ids[c] is given, the routing arguments are unused.
-template <typename T, bool ROUTE>
+// h[c, n] = round(silu(round(x[t] . W_gate[n])) * round(x[t] . W_up[n])) for choice c = t*topk + j of
+// expert ids[c] (zeros for an id outside [0, E)). Shared experts (P > 0, sh_gate_up = the shared MLP's
+// [2*P*I, H] weight: P*I gate rows, then P*I up rows) run as P more choices per token, blocks c =
+// T*topk + t*P + p: part p is the shared MLP's intermediate columns [p*I, (p+1)*I), whose gate and up
+// rows are p*I + n and (P + p)*I + n. gridDim.x = T*(topk + P).
+template <typename T>
 __global__ void __launch_bounds__(GEMV_THREADS)
-moe_gemv_gate_up(T* __restrict__ h, const T* __restrict__ x, const T* __restrict__ w_all, long long* __restrict__ ids,
-                 int topk, int E, int H, int I, const float* __restrict__ logits, float* __restrict__ weights,
-                 int n_group, int topk_group, int renorm, float scale) {
+moe_gemv_gate_up(T* __restrict__ h, const T* __restrict__ x, const T* __restrict__ w_all, const long long* __restrict__ ids,
+                 int topk, int E, int H, int I, const T* __restrict__ sh_gate_up, int P) {
     extern __shared__ float xs[];
-    __shared__ long long picked;
     const int c = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if constexpr (ROUTE) {
-        if (warp == 0) {
-            float w;
-            int id;
-            route_token(logits + (long long)(c / topk) * E, E, topk, n_group, topk_group, renorm, scale, lane, w, id);
-            if (lane == c % topk) {
-                picked = id;
-                if (blockIdx.y == 0) {
-                    weights[c] = w;
-                    ids[c] = id;
-                }
-            }
-        }
-    }
-    const T* xr = x + (long long)(c / topk) * H;
+    const int routed = gridDim.x / (topk + P) * topk;  // T * topk
+    const bool shared = c >= routed;
+    const long long t = shared ? (c - routed) / P : c / topk;
+    const T* xr = x + t * H;
     for (int i = threadIdx.x; i < H; i += blockDim.x) xs[i] = to_float(xr[i]);
     __syncthreads();
-    const long long e = ROUTE ? picked : ids[c];
-    const bool valid = e >= 0 && e < E;
+    const T *gate_rows, *up_rows;  // row n of the block's gate and up matrices: gate_rows + n * H
+    bool valid = true;
+    if (shared) {
+        const int p = (c - routed) % P;
+        gate_rows = sh_gate_up + (long long)p * I * H;
+        up_rows = sh_gate_up + (long long)(P + p) * I * H;
+    } else {
+        const long long e = ids[c];
+        valid = e >= 0 && e < E;
+        gate_rows = w_all + (valid ? e : 0) * 2LL * I * H;
+        up_rows = gate_rows + (long long)I * H;
+    }
 #pragma unroll
     for (int r = 0; r < GEMV_COLS_PER_WARP; ++r) {
         const int n = blockIdx.y * GEMV_ROWS + warp * GEMV_COLS_PER_WARP + r;
         if (n >= I) break;  // uniform over the warp
         float out = 0.f;
         if (valid) {
-            const T* W = w_all + e * 2LL * I * H;
             float gate, up;
-            dot2(W + (long long)n * H, W + (long long)(I + n) * H, xs, H, lane, gate, up);
+            dot2(gate_rows + (long long)n * H, up_rows + (long long)n * H, xs, H, lane, gate, up);
             out = silu_mul(round_to<T>(gate), round_to<T>(up));
         }
         if (lane == 0) h[(long long)c * I + n] = from_float<T>(out);
@@ -465,25 +463,39 @@ moe_gemv_gate_up(T* __restrict__ h, const T* __restrict__ x, const T* __restrict
 
 // Down projection and combine in one launch. Block (c, slab): y[c, n] = round(h[c] . W_down[n]) for
 // the slab's GEMV_ROWS columns (two per warp), then a count of the blocks done with (token, slab):
-// the k-th, i.e. the last of token t's k choices to finish that slab, sums them in pick order j =
-// 0 .. k-1 for those columns, exactly as moe_combine does (products rounded before the add, the sum
-// rounded to T, then + shared in T; choices with ids outside [0, E) dropped), and writes out[t]. The
-// order of the sum never depends on which block comes last, so the result is the same on every run.
+// the last of token t's topk + P blocks to finish that slab sums the routed choices in pick order j =
+// 0 .. topk-1 for those columns, exactly as moe_combine does (products rounded before the add, the sum
+// rounded to T; choices with ids outside [0, E) dropped), adds the shared experts in T, and writes
+// out[t]. The shared experts are either `shared` [T, H] (their MLP's output) or, with P > 0, the
+// blocks c = T*topk + t*P + p: part p's down product over the shared down weight's columns [p*I,
+// (p+1)*I) (sh_down [H, P*I]) goes to y_sh in fp32, and the last block adds round(sum over p) — the
+// MLP's down projection summed in fp32 and rounded once. The order of every sum is fixed, whichever
+// block comes last, so the result is the same on every run.
 // Protocol: each writing lane fences (__threadfence) after its y columns, __syncthreads, then one
 // thread counts the block with atomicAdd on arrivals[t * slabs + slab]; the last block resets
 // the counter to 0 (ready for the next launch or graph replay), fences, and reads the other blocks'
 // y through L2 (__ldcg: L1 is not coherent across SMs). Launches sharing `arrivals` must not overlap.
 template <typename T>
 __global__ void __launch_bounds__(GEMV_THREADS)
-moe_gemv_down_combine(T* __restrict__ out, T* __restrict__ y, const T* __restrict__ h, const T* __restrict__ w_all,
-                      const long long* __restrict__ ids, const float* __restrict__ weights, const T* __restrict__ shared,
-                      unsigned* __restrict__ arrivals, int topk, int E, int H, int I) {
+moe_gemv_down_combine(T* __restrict__ out, T* __restrict__ y, float* __restrict__ y_sh, const T* __restrict__ h,
+                      const T* __restrict__ w_all, const long long* __restrict__ ids, const float* __restrict__ weights,
+                      const T* __restrict__ shared, const T* __restrict__ sh_down, unsigned* __restrict__ arrivals,
+                      int topk, int E, int H, int I, int P) {
     static_assert(GEMV_COLS_PER_WARP == 2, "one dot2 per warp");
     extern __shared__ float hs[];
     __shared__ bool last;
     const int c = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long e = ids[c];
-    const bool valid = e >= 0 && e < E;
+    const int routed = gridDim.x / (topk + P) * topk;  // T * topk
+    const bool is_shared = c >= routed;
+    const long long t = is_shared ? (c - routed) / P : c / topk;
+    const T* W = nullptr;  // row n of the block's down matrix: W + n * stride (I contiguous values)
+    long long stride = I;
+    if (is_shared) {
+        W = sh_down + (long long)((c - routed) % P) * I;
+        stride = (long long)P * I;
+    } else if (ids[c] >= 0 && ids[c] < E) {
+        W = w_all + ids[c] * (long long)H * I;
+    }
     const T* hr = h + (long long)c * I;
     for (int i = threadIdx.x; i < I; i += blockDim.x) hs[i] = to_float(hr[i]);
     __syncthreads();
@@ -491,22 +503,23 @@ moe_gemv_down_combine(T* __restrict__ out, T* __restrict__ y, const T* __restric
     if (n0 < H) {  // warps past the edge skip to the barrier below
         const int n1 = n0 + 1 < H ? n0 + 1 : n0;  // past the edge: read row n0 twice, write it once
         float s0 = 0.f, s1 = 0.f;
-        if (valid) {
-            const T* W = w_all + e * (long long)H * I;
-            dot2(W + (long long)n0 * I, W + (long long)n1 * I, hs, I, lane, s0, s1);
-        }
+        if (W) dot2(W + n0 * stride, W + n1 * stride, hs, I, lane, s0, s1);
         if (lane == 0) {
-            y[(long long)c * H + n0] = from_float<T>(s0);
-            if (n1 != n0) y[(long long)c * H + n1] = from_float<T>(s1);
+            if (is_shared) {
+                y_sh[(long long)(c - routed) * H + n0] = s0;
+                if (n1 != n0) y_sh[(long long)(c - routed) * H + n1] = s1;
+            } else {
+                y[(long long)c * H + n0] = from_float<T>(s0);
+                if (n1 != n0) y[(long long)c * H + n1] = from_float<T>(s1);
+            }
             __threadfence();  // this warp's columns visible GPU-wide before the block counts itself
         }
     }
     __syncthreads();
-    const long long t = c / topk;
     unsigned* count = arrivals + t * gridDim.y + blockIdx.y;
     if (threadIdx.x == 0) {
         __threadfence();
-        last = atomicAdd(count, 1u) == (unsigned)topk - 1;
+        last = atomicAdd(count, 1u) == (unsigned)(topk + P) - 1;
         if (last) *count = 0u;
     }
     __syncthreads();
@@ -520,9 +533,15 @@ moe_gemv_down_combine(T* __restrict__ out, T* __restrict__ y, const T* __restric
         if (!(ids[cj] >= 0 && ids[cj] < E)) continue;
         acc = __fadd_rn(acc, __fmul_rn(weights[cj], to_float(__ldcg(y + cj * H + n))));
     }
-    float x = round_to<T>(acc);
-    if (shared) x = x + to_float(shared[t * H + n]);
-    out[t * H + n] = from_float<T>(x);
+    float v = round_to<T>(acc);
+    if (P) {
+        float s = 0.f;
+        for (int p = 0; p < P; ++p) s += __ldcg(y_sh + (t * P + p) * H + n);
+        v = v + round_to<T>(s);
+    } else if (shared) {
+        v = v + to_float(shared[t * H + n]);
+    }
+    out[t * H + n] = from_float<T>(v);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -15,10 +15,10 @@ V2-Lite's shape: 64 routed experts x 1408, top-6, 2 shared experts, hidden 2048,
    GEMM, our mma GEMM, torch._grouped_mm; and the thresholds this sweep recommends.
 3. The grouped GEMV's variants on the whole layer at 1 and 32 tokens (warps per block, columns per
    warp, shared experts' gate|up inside the router launch or not): which wins, and the bars.
-4. The shared experts on a side stream or not (SHARED_STREAM_MAX_TOKENS), whole layer, 1 ... 512
-   tokens: the largest size where the side stream still wins is the threshold.
-5. The routing inside the gate|up launch (``moe_gemv_layer``) or in the router kernel before
-   ``moe_experts``, whole layer, at 1, 2 and 4 tokens (the sizes where the GEMV path takes it).
+4. Beyond the GEMV path, the shared experts on a side stream or not (SHARED_STREAM_MAX_TOKENS), whole
+   layer, 8 ... 512 tokens: the largest size where the side stream still wins is the threshold.
+5. On the GEMV path (1, 2, 4 tokens), the shared experts as choices of the GEMV launches (``moe_gemv``
+   with their weights, the default) or as their MLP on the side stream, whole layer.
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ from dsv2_lib.weights import default_dtype
 
 SIZES = (1, 32, 512, 4096)
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
-STREAM_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 512)
-ROUTING_SIZES = (1, 2, 4)
+STREAM_SWEEP = (8, 16, 32, 64, 128, 512)
+FOLD_SIZES = (1, 2, 4)
 GEMV_SWEEP_MAX = 256  # the GEMV paths are timed up to this many tokens
 VARIANTS = [dict(GEMV_WARPS=w, GEMV_COLS_PER_WARP=c, SHARED_IN_ROUTER=r)
             for w, c in ((8, 1), (4, 1), (8, 2), (4, 2), (8, 4)) for r in (True, False)]
@@ -184,7 +184,7 @@ def main() -> None:
             variants.append(r)
         for k, val in saved.items():
             setattr(moe, k, val)
-        # the first GEMV version on the whole layer: per-choice GEMVs, shared experts as a separate MLP
+        # the per-choice GEMV (the default) on the whole layer, the shared experts as more of its choices
         saved_kernel, moe.GEMV_KERNEL = moe.GEMV_KERNEL, "per_choice"
         per_choice = {}
         for t in (1, 32):
@@ -204,15 +204,15 @@ def main() -> None:
             streams.append(r)
         moe.SHARED_STREAM_MAX_TOKENS = saved_streams
 
-        # the routing inside the gate|up launch or in the router kernel (moe_gemv_layer switched off)
-        routing, fused = [], moe._gemv_layer_applies
-        for t in ROUTING_SIZES:
+        # the shared experts as choices of the GEMV launches, or as their MLP on the side stream
+        fold, applies = [], moe._gemv_applies
+        for t in FOLD_SIZES:
             x = torch.randn(t, H, device="cuda").to(torch.bfloat16)
-            r = {"tokens": t, "in_gemv_ms": time_cuda_graph(lambda: ours(x), calls=10)}
-            moe._gemv_layer_applies = lambda *a: False
-            r["router_kernel_ms"] = time_cuda_graph(lambda: ours(x), calls=10)
-            moe._gemv_layer_applies = fused
-            routing.append(r)
+            r = {"tokens": t, "choices_ms": time_cuda_graph(lambda: ours(x), calls=10)}
+            moe._gemv_applies = lambda *a: False
+            r["mlp_side_stream_ms"] = time_cuda_graph(lambda: ours(x), calls=10)
+            moe._gemv_applies = applies
+            fold.append(r)
 
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; GPU {torch.cuda.get_device_name()}")
     print(f"{'tokens':>6} {'ours ms':>9} {'(call)':>8} {'HF ms':>8} {'base ms':>8} {'ours TF/s':>9} "
@@ -240,7 +240,7 @@ def main() -> None:
     print(f"{'warps':>5} {'cols/warp':>9} {'shared in router':>16} {'1 token':>9} {'32 tokens':>9}")
     for v in variants:
         print(f"{v['GEMV_WARPS']:>5} {v['GEMV_COLS_PER_WARP']:>9} {str(v['SHARED_IN_ROUTER']):>16} {v['ms_1']:>9.4f} {v['ms_32']:>9.4f}")
-    print(f"{'per-choice GEMV (shared experts as an MLP)':>32} {per_choice['ms_1']:>9.4f} {per_choice['ms_32']:>9.4f}")
+    print(f"{'per-choice GEMV (shared experts as choices)':>32} {per_choice['ms_1']:>9.4f} {per_choice['ms_32']:>9.4f}")
     read = {r["tokens"]: r["weight_read_ms"] for r in rows}
     for t in (1, 32):
         best = min(variants, key=lambda v: v[f"ms_{t}"])
@@ -255,10 +255,11 @@ def main() -> None:
     wins = [r["tokens"] for r in streams if r["side_ms"] < r["one_ms"]]
     lead = max((t for t in wins if all(u in wins for u in STREAM_SWEEP if u <= t)), default=0)
     print(f"side stream wins up to {lead} tokens (leading run); SHARED_STREAM_MAX_TOKENS = {moe.SHARED_STREAM_MAX_TOKENS}")
-    print("\nrouting inside the gate|up GEMV launch or in the router kernel, whole layer (ms, GPU time):")
-    print(f"{'tokens':>6} {'in GEMV':>9} {'router':>9}")
-    for r in routing:
-        print(f"{r['tokens']:>6} {r['in_gemv_ms']:>9.4f} {r['router_kernel_ms']:>9.4f}")
+    print("\nthe shared experts as choices of the GEMV launches or as their MLP on the side stream, whole layer "
+          "(ms, GPU time):")
+    print(f"{'tokens':>6} {'choices':>9} {'MLP':>9}")
+    for r in fold:
+        print(f"{r['tokens']:>6} {r['choices_ms']:>9.4f} {r['mlp_side_stream_ms']:>9.4f}")
     for c in checks:
         print(f"ours vs transformers at {c['tokens']} tokens: max |diff| {c['max_abs_diff_vs_transformers']:.3g} "
               f"(max |out| {c['max_abs_ref']:.3g})")
@@ -270,7 +271,7 @@ def main() -> None:
         "gemv": {"GEMV_KERNEL": moe.GEMV_KERNEL, "GEMV_WARPS": moe.GEMV_WARPS,
                  "GEMV_COLS_PER_WARP": moe.GEMV_COLS_PER_WARP, "SHARED_IN_ROUTER": moe.SHARED_IN_ROUTER},
         "recommended": recommended, "layer": rows, "paths": sweep, "gemv_variants": variants, "per_choice_layer": per_choice,
-        "shared_stream": streams, "shared_stream_max_tokens": moe.SHARED_STREAM_MAX_TOKENS, "routing": routing, "checks": checks, "seconds": time.time() - start,
+        "shared_stream": streams, "shared_stream_max_tokens": moe.SHARED_STREAM_MAX_TOKENS, "shared_as_choices": fold, "checks": checks, "seconds": time.time() - start,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=1))

@@ -20,6 +20,7 @@ import torch
 
 from dsv2_lib import kernels, moe
 from dsv2_lib.config import TINY
+from dsv2_lib.mlp import MLP
 from dsv2_lib.moe import (MoE, moe_align, moe_align_reference, moe_experts, route, routed_experts, topk_softmax)
 from dsv2_lib.weights import default_dtype
 
@@ -164,25 +165,32 @@ def test_one_expert_takes_all_tokens(path, t, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", ["lite", "group_limited", "renorm"])
-def test_gemv_layer_routes_inside_the_kernel_bit_for_bit(name, dtype, monkeypatch):
-    """At a few tokens MoE.forward takes moe_gemv_layer, whose gate|up launch routes its own token: the
-    same bits as the router kernel + moe_experts on the GEMV path (shared experts on one stream)."""
-    cfg = dataclasses.replace(ROUTER_CASES[name], hidden_size=256, moe_intermediate_size=96)
+@pytest.mark.parametrize("name,shared", [("lite", 2), ("lite", 1), ("lite", 0), ("group_limited", 2), ("renorm", 1)])
+def test_shared_experts_run_as_gemv_choices(name, shared, dtype, monkeypatch):
+    """At a few tokens MoE.forward runs the shared experts as P more choices of the GEMV launches
+    (moe_gemv with their weights). The routed part is the same as with the shared MLP's output added
+    (same kernels, same order); the shared part sums its P down products in fp32 and rounds once, as
+    the MLP does, in another order: so ``close``, and the same bits on every call."""
+    cfg = dataclasses.replace(ROUTER_CASES[name], hidden_size=256, moe_intermediate_size=96, n_shared_experts=shared)
     torch.manual_seed(0)
     with default_dtype(dtype):
         layer = MoE(cfg).cuda()
     for p in layer.parameters():
         p.data.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
     calls = []
-    monkeypatch.setattr(moe, "moe_gemv_layer", lambda *a, f=moe.moe_gemv_layer: calls.append(1) or f(*a))
-    for t in (1, 3, moe.GEMV_MAX_TOKENS) + ((33,) if dtype == torch.float32 else ()):
+    monkeypatch.setattr(moe, "moe_gemv", lambda *a, f=moe.moe_gemv, **kw: calls.append(kw) or f(*a, **kw))
+    sizes = (1, 3, moe.GEMV_MAX_TOKENS) + ((33,) if dtype == torch.float32 else ())
+    for t in sizes:
         x = torch.randn(t, 256, device="cuda").to(dtype)
         got = layer(x)
         w, ids = topk_softmax(torch.nn.functional.linear(x.float(), layer.gate.weight), cfg)
-        want = moe_experts(x, w, ids, layer.experts.gate_up_proj, layer.experts.down_proj, layer.shared_experts(x))
-        assert torch.equal(got, want), t
-    assert len(calls) == 3 + (dtype == torch.float32)
+        mlp = None if layer.shared_experts is None else layer.shared_experts(x)
+        want = moe_experts(x, w, ids, layer.experts.gate_up_proj, layer.experts.down_proj, mlp)
+        assert close(got, want, dtype), t
+        assert torch.equal(layer(x), got), t
+        assert not moe._COUNTERS[0].any()
+    folded = [kw for kw in calls if kw.get("shared_w") is not None]
+    assert len(folded) == (2 * len(sizes) if shared else 0)  # two layer calls per size
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -192,6 +200,11 @@ def test_gemv_combine_is_deterministic_and_leaves_its_counters_at_zero(dtype, mo
     the same bits, and every launch leaves the arrival counters at zero for the next one."""
     force(monkeypatch, "gemv_per_choice")
     gate_up, down = experts(16, 256, 96, dtype)
+    torch.manual_seed(1)
+    with torch.device("cuda"), default_dtype(dtype):
+        mlp = MLP(256, 2 * 96)
+    for p in mlp.parameters():
+        p.data.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
     for t in (1, 4, 33):
         x = torch.randn(t, 256, device="cuda").to(dtype)
         w, ids = random_choice(t, 3, 16, seed=t)
@@ -203,6 +216,11 @@ def test_gemv_combine_is_deterministic_and_leaves_its_counters_at_zero(dtype, mo
         assert close(first, want, dtype)
         for _ in range(5):
             assert torch.equal(moe_experts(x, w, ids, gate_up, down, shared), first)
+        assert not moe._COUNTERS[0].any()
+        # the shared experts (an MLP of 2 x 96) as two more choices per token, with the dropped choice
+        folded = moe.moe_gemv(x, w, ids, gate_up, down, shared_w=(mlp.gate_up_proj.weight, mlp.down_proj.weight))
+        assert close(folded, moe_experts(x, w, ids, gate_up, down, mlp(x)), dtype)
+        assert torch.equal(moe.moe_gemv(x, w, ids, gate_up, down, shared_w=(mlp.gate_up_proj.weight, mlp.down_proj.weight)), folded)
         assert not moe._COUNTERS[0].any()
 
 
@@ -439,8 +457,9 @@ def test_decode_moe_layer_in_a_cuda_graph(kernel, monkeypatch):
 
 @pytest.mark.parametrize("graph", [False, pytest.param(True, marks=pytest.mark.cuda_graph)])
 def test_shared_experts_on_a_side_stream_give_the_same_bits(graph, monkeypatch):
-    """Up to SHARED_STREAM_MAX_TOKENS tokens the shared MLP runs on a side stream: same bits as on one
-    stream, and the combine waits for it. The side stream is held up ~5 ms before the shared MLP, so a
+    """Beyond the GEMV path (whose launches run the shared experts as choices) and up to
+    SHARED_STREAM_MAX_TOKENS tokens the shared MLP runs on a side stream: same bits as on one stream,
+    and the combine waits for it. The side stream is held up ~5 ms before the shared MLP, so a
     combine that did not wait would add a buffer not yet written."""
     cfg = dataclasses.replace(TINY, n_routed_experts=16, num_experts_per_tok=2, hidden_size=256, moe_intermediate_size=96)
     torch.manual_seed(0)
@@ -455,7 +474,7 @@ def test_shared_experts_on_a_side_stream_give_the_same_bits(graph, monkeypatch):
         torch.cuda._sleep(10**7)
         return real(x)
 
-    for t in (1, 4, 16):
+    for t in (moe.GEMV_MAX_TOKENS + 1, 16):
         x = torch.randn(t, 256, device="cuda").to(torch.bfloat16)
         monkeypatch.setattr(moe, "SHARED_STREAM_MAX_TOKENS", 0)
         want = layer(x)
