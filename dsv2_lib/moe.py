@@ -73,8 +73,8 @@ MOE_CU = kernels.declare(
     "moe.cu",
     ["topk_softmax", "moe_align"]
     + [f"moe_gemm<{t}, {g}>" for t in ("__nv_bfloat16", "__half") for g in ("true", "false")]
-    + [f"{k}<{t}>" for k in ("moe_gemv_gate_up", "moe_gemv_down_combine", "moe_combine", "moe_route_gemv")
-       for t in CUDA_TYPE.values()]
+    + [f"{k}<{t}>" for k in ("moe_route_few", "moe_gemv_gate_up", "moe_gemv_down_combine", "moe_combine",
+                             "moe_route_gemv") for t in CUDA_TYPE.values()]
     + [f"moe_gemv_grouped<{t}, {g}>" for t in CUDA_TYPE.values() for g in ("true", "false")] + ["moe_gemv_items"]
     + [f"moe_skinny<{t}, {g}>" for t in ("__nv_bfloat16", "__half") for g in ("true", "false")],
 )
@@ -306,7 +306,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     if x.dtype == torch.float32 or t <= GEMV_MAX_TOKENS:
         if GEMV_KERNEL == "grouped" and _items_fit(t * k, e):
             return _gemv_grouped(x, weights, ids, gate_up_proj, down_proj, moe_gemv_items(ids, e), shared=ready(shared))
-        return moe_gemv(x, weights, ids, gate_up_proj, down_proj, shared=ready(shared))
+        return gemv_down_combine(gemv_gate_up(x, gate_up_proj, ids), down_proj, ids, weights, ready(shared))
     if t <= SKINNY_MAX_TOKENS and h % 64 == 0 and i % 64 == 0:
         y, slot_of = skinny_experts(x, ids, gate_up_proj, down_proj)
     elif t >= GROUPED_MM_MIN_TOKENS and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
@@ -316,31 +316,18 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     return _combine(y, weights, slot_of, ready(shared))
 
 
-def moe_gemv(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
-             down_proj: torch.Tensor, shared: torch.Tensor | None = None,
-             shared_w: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """The per-choice GEMV path (inputs already checked): ``gemv_gate_up`` then ``gemv_down_combine``.
-    The shared experts come either as ``shared [T, H]`` (their MLP's output) or as ``shared_w`` =
-    (gate_up ``[2·P·I, H]``, down ``[H, P·I]``), the shared MLP's weights, which then run as P more
-    choices of weight 1 per token in the same two launches (no MLP, no side stream)."""
-    hid = gemv_gate_up(x, gate_up_proj, ids, None if shared_w is None else shared_w[0])
-    return gemv_down_combine(hid, down_proj, ids, weights, shared, None if shared_w is None else shared_w[1])
-
-
 def gemv_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, ids: torch.Tensor,
-                 shared_gate_up: torch.Tensor | None = None) -> torch.Tensor:
-    """``h [T·(k + P), I]`` (``moe_gemv_gate_up``, inputs already checked): choice ``c = t·k + j`` gets
-    ``silu(x[t] W_g^T) * (x[t] W_u^T)`` of expert ``ids[t, j]``, zeros for an id outside ``[0, E)``; row
-    ``T·k + t·P + p`` the same for part p of the shared experts (``shared_gate_up [2·P·I, H]``: gate
-    rows ``p·I ..``, up rows ``(P + p)·I ..``; P = 0 without it)."""
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """``h [T·k, I]`` (``moe_gemv_gate_up``, inputs already checked): choice ``c = t·k + j`` gets
+    ``silu(x[t] W_g^T) * (x[t] W_u^T)`` of expert ``ids[t, j]``, zeros for an id outside ``[0, E)``.
+    ``out``: a buffer of at least T·k rows to write them into (:func:`moe_few`'s, whose later rows hold
+    the shared experts' parts)."""
     (e, i2, h), (t, k) = gate_up_proj.shape, ids.shape
-    i = i2 // 2
-    parts = 0 if shared_gate_up is None else shared_gate_up.shape[0] // i2
-    hid = torch.empty(t * (k + parts), i, dtype=x.dtype, device=x.device)
+    hid = torch.empty(t * k, i2 // 2, dtype=x.dtype, device=x.device) if out is None else out
     kernels.launch(MOE_CU.function(f"moe_gemv_gate_up<{CUDA_TYPE[x.dtype]}>", x.device),
-                   (t * (k + parts), -(-i // GEMV_ROWS)), (256,),
+                   (t * k, -(-(i2 // 2) // GEMV_ROWS)), (256,),
                    (kernels.ptr(hid), kernels.ptr(x), kernels.ptr(gate_up_proj), kernels.ptr(ids), np.int32(k), np.int32(e),
-                    np.int32(h), np.int32(i), _ptr_or_null(shared_gate_up), np.int32(parts)), shared_mem=4 * h)
+                    np.int32(h), np.int32(i2 // 2)), shared_mem=4 * h)
     return hid
 
 
@@ -515,6 +502,13 @@ def _combine(y, weights, slot_of, shared, ids=None, n_experts=0) -> torch.Tensor
     return out
 
 
+def _router_args(cfg: ModelConfig) -> tuple:
+    """(n_group, topk_group, renorm, scale) as the router kernels take them."""
+    k = cfg.num_experts_per_tok
+    groups = (cfg.n_group, cfg.topk_group) if cfg.topk_method == "group_limited_greedy" else (0, 0)
+    return (*map(np.int32, groups), np.int32(k > 1 and cfg.norm_topk_prob), np.float32(cfg.routed_scaling_factor))
+
+
 def _few_tokens(x: torch.Tensor, cfg: ModelConfig) -> bool:
     """Kernels on for ``x [T, H]``, 0 < T <= ``GEMV_MAX_TOKENS`` (fp32: ``FP32_GEMV_MAX_TOKENS``), and a
     router and shapes that the one-warp router kernels take."""
@@ -531,20 +525,57 @@ def _few_tokens(x: torch.Tensor, cfg: ModelConfig) -> bool:
     return ok
 
 
-def _gemv_applies(x: torch.Tensor, cfg: ModelConfig, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                  shared_w: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
-    """Whether ``MoE.forward`` hands ``x`` to :func:`moe_gemv` with the shared experts' weights: the
-    per-choice GEMV selected, few tokens (``_few_tokens``), routed and shared weights the GEMV kernels
+def _few_applies(x: torch.Tensor, cfg: ModelConfig, gate_w: torch.Tensor, gate_up_proj: torch.Tensor,
+                 down_proj: torch.Tensor, shared_w: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    """Whether ``MoE.forward`` hands ``x`` to :func:`moe_few`: the per-choice GEMV selected, few tokens
+    (``_few_tokens``), an fp32 router weight ``[E, H]``, and routed and shared weights the GEMV kernels
     take (x's dtype, contiguous, 16-byte aligned, rows that fit the staging buffer, the shared MLP's
     intermediate a whole number of expert widths, or no shared experts)."""
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     weights = [gate_up_proj, down_proj, *(shared_w or ())]
     ok = GEMV_KERNEL == "per_choice" and _few_tokens(x, cfg) and h * 4 <= 48 * 1024 and i * 4 <= 48 * 1024 \
-        and all(w.dtype == x.dtype and w.is_contiguous() for w in weights) and kernels.aligned16(*weights)
+        and gate_w.dtype == torch.float32 and gate_w.shape == (cfg.n_routed_experts, h) and gate_w.is_contiguous() \
+        and all(w.dtype == x.dtype and w.is_contiguous() for w in weights) and kernels.aligned16(gate_w, *weights)
     if ok and shared_w is not None:
         (n2, hg), (hd, n) = shared_w[0].shape, shared_w[1].shape
         ok = hg == hd == h and n2 == 2 * n and n % i == 0 and n > 0
     return ok
+
+
+def route_few(x: torch.Tensor, gate_w: torch.Tensor, cfg: ModelConfig, shared_gate_up: torch.Tensor | None = None):
+    """``moe_route_few`` (inputs as :func:`_few_applies` takes them): the router of a few tokens in one
+    launch, its fp32 logits ``x W_r^T`` (``gate_w [E, H]``) routed by ``topk_softmax``'s rule, and in the
+    same launch the shared experts' gate|up, which does not wait for the routing. Returns (weights
+    ``[T, k]`` fp32, ids ``[T, k]`` int64, logits ``[T, E]`` fp32, hid ``[T·(k + P), I]``) where the rows
+    of hid from ``T·k`` on hold the shared experts' SwiGLU output: row ``T·k + t·P + p`` is part p of
+    token t, the columns ``[p·I, (p+1)·I)`` of the shared MLP (``shared_gate_up [2·P·I, H]``, P = 0
+    without it); the first ``T·k`` rows are for :func:`gemv_gate_up` to fill."""
+    t, h = x.shape
+    e, k, i = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    parts = 0 if shared_gate_up is None else shared_gate_up.shape[0] // (2 * i)
+    weights = torch.empty(t, k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
+    logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    hid = torch.empty(t * (k + parts), i, dtype=x.dtype, device=x.device)
+    blocks = t * -(-e // 8) + t * parts * -(-i // GEMV_ROWS)
+    kernels.launch(MOE_CU.function(f"moe_route_few<{CUDA_TYPE[x.dtype]}>", x.device), (blocks,), (256,),
+                   (kernels.ptr(weights), kernels.ptr(ids), kernels.ptr(logits), kernels.ptr(x), kernels.ptr(gate_w),
+                    np.int32(t), np.int32(e), np.int32(h), np.int32(k), *_router_args(cfg),
+                    kernels.ptr(_arrival_counters(t, x.device)), kernels.ptr(hid), _ptr_or_null(shared_gate_up),
+                    np.int32(i), np.int32(parts)), shared_mem=4 * h)
+    return weights, ids, logits, hid
+
+
+def moe_few(x: torch.Tensor, gate_w: torch.Tensor, cfg: ModelConfig, gate_up_proj: torch.Tensor,
+            down_proj: torch.Tensor, shared_w: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The MoE layer of a few tokens (``_few_applies``) in three launches: :func:`route_few` (the router,
+    and the shared experts' gate|up beside it), ``moe_gemv_gate_up`` for the routed choices and
+    ``moe_gemv_down_combine`` for all of them, with the combine. ``shared_w`` = (gate_up ``[2·P·I, H]``,
+    down ``[H, P·I]``), the shared MLP's weights: its P parts are choices of weight 1, their down
+    products summed in fp32 and rounded once, as the MLP's. ``x [T, H] -> [T, H]``."""
+    weights, ids, _, hid = route_few(x, gate_w, cfg, None if shared_w is None else shared_w[0])
+    gemv_gate_up(x, gate_up_proj, ids, out=hid)
+    return gemv_down_combine(hid, down_proj, ids, weights, None, None if shared_w is None else shared_w[1])
 
 
 def _decode_applies(x: torch.Tensor, cfg: ModelConfig, shared_w=None) -> bool:
@@ -636,16 +667,14 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H] -> [T, H]``: router, routed experts, shared experts (kernels for CUDA tensors)."""
-        logits = F.linear(upcast(x), self.gate.weight)
         sh = self.shared_experts
         shared_w = None if sh is None else (sh.gate_up_proj.weight, sh.down_proj.weight)
-        if _decode_applies(x, self.cfg, shared_w) and logits.dtype == torch.float32:
-            return moe_decode(x, logits, self.cfg, self.experts.gate_up_proj, self.experts.down_proj, shared_w)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        if _gemv_applies(x, self.cfg, gate_up, down, shared_w):
-            # the shared experts as more choices of the two GEMV launches
-            weights, ids = topk_softmax(logits, self.cfg)
-            return moe_gemv(x, weights, ids, gate_up, down, shared_w=shared_w)
+        if _few_applies(x, self.cfg, self.gate.weight, gate_up, down, shared_w):
+            return moe_few(x, self.gate.weight, self.cfg, gate_up, down, shared_w)
+        logits = F.linear(upcast(x), self.gate.weight)
+        if _decode_applies(x, self.cfg, shared_w) and logits.dtype == torch.float32:
+            return moe_decode(x, logits, self.cfg, gate_up, down, shared_w)
         shared, shared_ready = None, None
         if sh is not None:
             # Tens of tokens: the shared experts do not depend on the routing, so they run on the side

@@ -6,9 +6,9 @@
 //   x [T, H] --moe_gemm<GATE_UP>--> h [cap, I] = silu(x W_g^T) * (x W_u^T), rows in sorted order
 //   h        --moe_gemm<DOWN>-----> y [cap, H] = h W_d^T
 //   y --moe_combine--> out [T, H] = round(sum_j w[t, j] * y[slot_of[t*k + j]]) (+ shared [T, H])
-// and for a few tokens (decode): moe_gemv_gate_up / moe_gemv_down_combine over the T*k choices directly
-// and the shared experts as more choices of weight 1 (y rows in choice order; the down launch also does
-// the combine); for tens of tokens moe_skinny<GATE_UP / DOWN> on
+// and for a few tokens (decode): moe_route_few (the router, and the shared experts' gate|up beside it),
+// then moe_gemv_gate_up / moe_gemv_down_combine over the T*k choices directly, the shared experts as more
+// choices of weight 1 (y rows in choice order; the down launch also does the combine); for tens of tokens moe_skinny<GATE_UP / DOWN> on
 // tiles of 8 sorted rows (moe_align with BLOCK = 8), the tokens as the narrow side of the mma.
 //
 // Rounding follows the PyTorch reference (dsv2_lib/moe.py: routed_experts): the gate|up GEMM output is
@@ -387,8 +387,8 @@ moe_gemm(T* __restrict__ out, const T* __restrict__ a_src, const T* __restrict__
 }
 
 // ------------------------------------------------------------------------------------------------
-// GEMV path (a few tokens). blockIdx.x = choice c = t*k + j (expert ids[c]) or, past the T*k routed
-// choices, a part of token t's shared experts (see moe_gemv_gate_up), blockIdx.y = a slab of
+// GEMV path (a few tokens). blockIdx.x = choice c = t*k + j (expert ids[c]) or, in the down launch, past
+// the T*k routed choices, a part of token t's shared experts (see moe_route_few), blockIdx.y = a slab of
 // GEMV_ROWS = 16 output columns; 8 warps, 2 columns per warp. The block keeps its input row (x[t] or
 // h[c]) in shared memory as fp32; each warp streams its weight rows with 16-byte loads (lane l reads
 // vectors l, l+32, ...), reduces with shuffles, lane 0 writes. So the 6 selected experts' weights are
@@ -418,38 +418,16 @@ __device__ __forceinline__ void dot2(const T* __restrict__ w0, const T* __restri
     s1 = warp_sum(a1);
 }
 
-// h[c, n] = round(silu(round(x[t] . W_gate[n])) * round(x[t] . W_up[n])) for choice c = t*topk + j of
-// expert ids[c] (zeros for an id outside [0, E)). Shared experts (P > 0, sh_gate_up = the shared MLP's
-// [2*P*I, H] weight: P*I gate rows, then P*I up rows) run as P more choices per token, blocks c =
-// T*topk + t*P + p: part p is the shared MLP's intermediate columns [p*I, (p+1)*I), whose gate and up
-// rows are p*I + n and (P + p)*I + n. gridDim.x = T*(topk + P).
+// The gate|up columns of one block: h_row[n] = round(silu(round(xs . gate[n])) * round(xs . up[n])) for
+// the slab's GEMV_ROWS columns n (two per warp); row n of the gate and up matrices starts at
+// gate_rows + n * H and up_rows + n * H. valid = false writes zeros without reading any weight.
 template <typename T>
-__global__ void __launch_bounds__(GEMV_THREADS)
-moe_gemv_gate_up(T* __restrict__ h, const T* __restrict__ x, const T* __restrict__ w_all, const long long* __restrict__ ids,
-                 int topk, int E, int H, int I, const T* __restrict__ sh_gate_up, int P) {
-    extern __shared__ float xs[];
-    const int c = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int routed = gridDim.x / (topk + P) * topk;  // T * topk
-    const bool shared = c >= routed;
-    const long long t = shared ? (c - routed) / P : c / topk;
-    const T* xr = x + t * H;
-    for (int i = threadIdx.x; i < H; i += blockDim.x) xs[i] = to_float(xr[i]);
-    __syncthreads();
-    const T *gate_rows, *up_rows;  // row n of the block's gate and up matrices: gate_rows + n * H
-    bool valid = true;
-    if (shared) {
-        const int p = (c - routed) % P;
-        gate_rows = sh_gate_up + (long long)p * I * H;
-        up_rows = sh_gate_up + (long long)(P + p) * I * H;
-    } else {
-        const long long e = ids[c];
-        valid = e >= 0 && e < E;
-        gate_rows = w_all + (valid ? e : 0) * 2LL * I * H;
-        up_rows = gate_rows + (long long)I * H;
-    }
+__device__ __forceinline__ void gate_up_columns(T* __restrict__ h_row, const float* __restrict__ xs,
+                                                const T* __restrict__ gate_rows, const T* __restrict__ up_rows,
+                                                bool valid, int H, int I, int slab, int warp, int lane) {
 #pragma unroll
     for (int r = 0; r < GEMV_COLS_PER_WARP; ++r) {
-        const int n = blockIdx.y * GEMV_ROWS + warp * GEMV_COLS_PER_WARP + r;
+        const int n = slab * GEMV_ROWS + warp * GEMV_COLS_PER_WARP + r;
         if (n >= I) break;  // uniform over the warp
         float out = 0.f;
         if (valid) {
@@ -457,8 +435,95 @@ moe_gemv_gate_up(T* __restrict__ h, const T* __restrict__ x, const T* __restrict
             dot2(gate_rows + (long long)n * H, up_rows + (long long)n * H, xs, H, lane, gate, up);
             out = silu_mul(round_to<T>(gate), round_to<T>(up));
         }
-        if (lane == 0) h[(long long)c * I + n] = from_float<T>(out);
+        if (lane == 0) h_row[n] = from_float<T>(out);
     }
+}
+
+// h[c, n] for choice c = t*topk + j of expert ids[c] (zeros for an id outside [0, E)): block (c, slab).
+template <typename T>
+__global__ void __launch_bounds__(GEMV_THREADS)
+moe_gemv_gate_up(T* __restrict__ h, const T* __restrict__ x, const T* __restrict__ w_all, const long long* __restrict__ ids,
+                 int topk, int E, int H, int I) {
+    extern __shared__ float xs[];
+    const int c = blockIdx.x;
+    const T* xr = x + (long long)(c / topk) * H;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) xs[i] = to_float(xr[i]);
+    __syncthreads();
+    const long long e = ids[c];
+    const bool valid = e >= 0 && e < E;
+    const T* gate_rows = w_all + (valid ? e : 0) * 2LL * I * H;
+    gate_up_columns(h + (long long)c * I, xs, gate_rows, gate_rows + (long long)I * H, valid, H, I, blockIdx.y,
+                    threadIdx.x >> 5, threadIdx.x & 31);
+}
+
+// The router of a few tokens in one launch, with the shared experts' gate|up beside it (it does not
+// depend on the routing, so it streams its weights while the router works).
+// Blocks [0, T*RB), RB = ceil(E / 8): block (t, r) computes logits[t, e] = x[t] . gate_w[e] in fp32 for
+// its 8 experts e = 8r + warp (gate_w [E, H] fp32; each lane sums its strided share, then the warp),
+// then counts itself on arrivals[t]; the last of token t's RB blocks resets the counter, reads the row
+// back through L2 into shared memory and routes it with route_token (topk_softmax's rule: the picks
+// are those topk_softmax gives on these logits, bit for bit), writing weights[t, :k], ids[t, :k].
+// Blocks [T*RB, T*RB + T*P*slabs), P > 0: block (s = t*P + p, slab) computes row T*topk + s of h, part
+// p of token t's shared experts (sh_gate_up = the shared MLP's [2*P*I, H] weight: P*I gate rows, then
+// P*I up rows; part p = the intermediate columns [p*I, (p+1)*I), gate row p*I + n, up row (P + p)*I + n),
+// the rows moe_gemv_down_combine reads as the shared choices. Dynamic shared memory: H * 4 bytes.
+template <typename T>
+__global__ void __launch_bounds__(GEMV_THREADS)
+moe_route_few(float* __restrict__ weights, long long* __restrict__ ids, float* __restrict__ logits,
+              const T* __restrict__ x, const float* __restrict__ gate_w, int T_, int E, int H, int topk, int n_group,
+              int topk_group, int renorm, float scale, unsigned* __restrict__ arrivals, T* __restrict__ h,
+              const T* __restrict__ sh_gate_up, int I, int P) {
+    extern __shared__ float xs[];
+    __shared__ float row[32 * ROUTER_PER_LANE];
+    __shared__ bool last;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rb = (E + 7) / 8;
+    if (blockIdx.x >= T_ * rb) {  // the shared experts' gate|up
+        const int slabs = (I + GEMV_ROWS - 1) / GEMV_ROWS, b = blockIdx.x - T_ * rb, s = b / slabs;
+        const int t = s / P, p = s % P;
+        const T* xr = x + (long long)t * H;
+        for (int i = threadIdx.x; i < H; i += blockDim.x) xs[i] = to_float(xr[i]);
+        __syncthreads();
+        gate_up_columns(h + ((long long)T_ * topk + s) * I, xs, sh_gate_up + (long long)p * I * H,
+                        sh_gate_up + (long long)(P + p) * I * H, true, H, I, b % slabs, warp, lane);
+        return;
+    }
+    const int t = blockIdx.x / rb, e = (blockIdx.x % rb) * 8 + warp;
+    if (e < E) {
+        constexpr int N = Vec16<T>::N;  // 16 bytes of x: N values, N fp32 weights (N % 4 == 0)
+        const T* xr = x + (long long)t * H;
+        const float* wr = gate_w + (long long)e * H;
+        float acc = 0.f;
+#pragma unroll 4
+        for (int v = lane; v < H / N; v += 32) {
+            const Vec16<T> xv = load16(xr + v * N);
+#pragma unroll
+            for (int j = 0; j < N; j += 4) {
+                const float4 w4 = *reinterpret_cast<const float4*>(wr + v * N + j);
+                acc = fmaf(to_float(xv.v[j]), w4.x, acc);
+                acc = fmaf(to_float(xv.v[j + 1]), w4.y, acc);
+                acc = fmaf(to_float(xv.v[j + 2]), w4.z, acc);
+                acc = fmaf(to_float(xv.v[j + 3]), w4.w, acc);
+            }
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) {
+            logits[(long long)t * E + e] = acc;
+            __threadfence();  // the logit visible GPU-wide before the block counts itself
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(arrivals + t, 1u) == (unsigned)rb - 1;
+        if (last) arrivals[t] = 0u;
+    }
+    __syncthreads();
+    if (!last || warp != 0) return;
+    __threadfence();
+    for (int i = lane; i < E; i += 32) row[i] = __ldcg(logits + (long long)t * E + i);
+    __syncwarp();
+    route_and_store(weights + (long long)t * topk, ids + (long long)t * topk, nullptr, row, 0, E, topk, n_group,
+                    topk_group, renorm, scale, lane);
 }
 
 // Down projection and combine in one launch. Block (c, slab): y[c, n] = round(h[c] . W_down[n]) for

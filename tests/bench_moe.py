@@ -17,8 +17,9 @@ V2-Lite's shape: 64 routed experts x 1408, top-6, 2 shared experts, hidden 2048,
    warp, shared experts' gate|up inside the router launch or not): which wins, and the bars.
 4. Beyond the GEMV path, the shared experts on a side stream or not (SHARED_STREAM_MAX_TOKENS), whole
    layer, 8 ... 512 tokens: the largest size where the side stream still wins is the threshold.
-5. On the GEMV path (1, 2, 4 tokens), the shared experts as choices of the GEMV launches (``moe_gemv``
-   with their weights, the default) or as their MLP on the side stream, whole layer.
+5. On the GEMV path (1, 2, 4 tokens), ``moe_few`` (the router in one launch with the shared experts'
+   gate|up beside it, the shared experts as GEMV choices: the default) or cuBLAS's router GEMV +
+   ``topk_softmax`` + the GEMV kernels, with the shared MLP on the side stream; whole layer.
 """
 from __future__ import annotations
 
@@ -204,14 +205,14 @@ def main() -> None:
             streams.append(r)
         moe.SHARED_STREAM_MAX_TOKENS = saved_streams
 
-        # the shared experts as choices of the GEMV launches, or as their MLP on the side stream
-        fold, applies = [], moe._gemv_applies
+        # moe_few, or the router GEMV + topk_softmax + GEMVs with the shared MLP on the side stream
+        fold, applies = [], moe._few_applies
         for t in FOLD_SIZES:
             x = torch.randn(t, H, device="cuda").to(torch.bfloat16)
-            r = {"tokens": t, "choices_ms": time_cuda_graph(lambda: ours(x), calls=10)}
-            moe._gemv_applies = lambda *a: False
+            r = {"tokens": t, "moe_few_ms": time_cuda_graph(lambda: ours(x), calls=10)}
+            moe._few_applies = lambda *a: False
             r["mlp_side_stream_ms"] = time_cuda_graph(lambda: ours(x), calls=10)
-            moe._gemv_applies = applies
+            moe._few_applies = applies
             fold.append(r)
 
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; GPU {torch.cuda.get_device_name()}")
@@ -255,11 +256,11 @@ def main() -> None:
     wins = [r["tokens"] for r in streams if r["side_ms"] < r["one_ms"]]
     lead = max((t for t in wins if all(u in wins for u in STREAM_SWEEP if u <= t)), default=0)
     print(f"side stream wins up to {lead} tokens (leading run); SHARED_STREAM_MAX_TOKENS = {moe.SHARED_STREAM_MAX_TOKENS}")
-    print("\nthe shared experts as choices of the GEMV launches or as their MLP on the side stream, whole layer "
+    print("\nmoe_few, or router GEMV + topk_softmax + GEMVs with the shared MLP on the side stream, whole layer "
           "(ms, GPU time):")
-    print(f"{'tokens':>6} {'choices':>9} {'MLP':>9}")
+    print(f"{'tokens':>6} {'moe_few':>9} {'MLP':>9}")
     for r in fold:
-        print(f"{r['tokens']:>6} {r['choices_ms']:>9.4f} {r['mlp_side_stream_ms']:>9.4f}")
+        print(f"{r['tokens']:>6} {r['moe_few_ms']:>9.4f} {r['mlp_side_stream_ms']:>9.4f}")
     for c in checks:
         print(f"ours vs transformers at {c['tokens']} tokens: max |diff| {c['max_abs_diff_vs_transformers']:.3g} "
               f"(max |out| {c['max_abs_ref']:.3g})")
@@ -271,7 +272,7 @@ def main() -> None:
         "gemv": {"GEMV_KERNEL": moe.GEMV_KERNEL, "GEMV_WARPS": moe.GEMV_WARPS,
                  "GEMV_COLS_PER_WARP": moe.GEMV_COLS_PER_WARP, "SHARED_IN_ROUTER": moe.SHARED_IN_ROUTER},
         "recommended": recommended, "layer": rows, "paths": sweep, "gemv_variants": variants, "per_choice_layer": per_choice,
-        "shared_stream": streams, "shared_stream_max_tokens": moe.SHARED_STREAM_MAX_TOKENS, "shared_as_choices": fold, "checks": checks, "seconds": time.time() - start,
+        "shared_stream": streams, "shared_stream_max_tokens": moe.SHARED_STREAM_MAX_TOKENS, "moe_few": fold, "checks": checks, "seconds": time.time() - start,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=1))

@@ -20,7 +20,7 @@ import torch
 
 from dsv2_lib import kernels, moe
 from dsv2_lib.config import TINY
-from dsv2_lib.mlp import MLP
+from dsv2_lib.mlp import silu_and_mul_reference
 from dsv2_lib.moe import (MoE, moe_align, moe_align_reference, moe_experts, route, routed_experts, topk_softmax)
 from dsv2_lib.weights import default_dtype
 
@@ -164,21 +164,28 @@ def test_one_expert_takes_all_tokens(path, t, dtype, monkeypatch):
     assert close(moe_experts(x, w, ids, gate_up, down), routed_experts(x, w, ids, gate_up, down), dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name,shared", [("lite", 2), ("lite", 1), ("lite", 0), ("group_limited", 2), ("renorm", 1)])
-def test_shared_experts_run_as_gemv_choices(name, shared, dtype, monkeypatch):
-    """At a few tokens MoE.forward runs the shared experts as P more choices of the GEMV launches
-    (moe_gemv with their weights). The routed part is the same as with the shared MLP's output added
-    (same kernels, same order); the shared part sums its P down products in fp32 and rounds once, as
-    the MLP does, in another order: so ``close``, and the same bits on every call."""
+def few_layer(name, shared, dtype):
     cfg = dataclasses.replace(ROUTER_CASES[name], hidden_size=256, moe_intermediate_size=96, n_shared_experts=shared)
     torch.manual_seed(0)
     with default_dtype(dtype):
         layer = MoE(cfg).cuda()
     for p in layer.parameters():
         p.data.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+    return cfg, layer
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,shared", [("lite", 2), ("lite", 1), ("lite", 0), ("group_limited", 2), ("renorm", 1)])
+def test_few_token_layer_matches_the_router_kernel_and_the_mlp(name, shared, dtype, monkeypatch):
+    """At a few tokens MoE.forward runs moe_few: the router in one launch, with the shared experts'
+    gate|up beside it, the shared experts as P more GEMV choices. Against topk_softmax on cuBLAS's
+    logits + moe_experts with the shared MLP's output: the same picks (the logits differ in the order of
+    their fp32 sums only; random data has no near-ties), the routed part the same kernels in the same
+    order, the shared part summed in fp32 and rounded once as the MLP does, in another order: ``close``,
+    and the same bits on every call, with the arrival counters back at zero."""
+    cfg, layer = few_layer(name, shared, dtype)
     calls = []
-    monkeypatch.setattr(moe, "moe_gemv", lambda *a, f=moe.moe_gemv, **kw: calls.append(kw) or f(*a, **kw))
+    monkeypatch.setattr(moe, "moe_few", lambda *a, f=moe.moe_few: calls.append(1) or f(*a))
     sizes = (1, 3, moe.GEMV_MAX_TOKENS) + ((33,) if dtype == torch.float32 else ())
     for t in sizes:
         x = torch.randn(t, 256, device="cuda").to(dtype)
@@ -189,8 +196,27 @@ def test_shared_experts_run_as_gemv_choices(name, shared, dtype, monkeypatch):
         assert close(got, want, dtype), t
         assert torch.equal(layer(x), got), t
         assert not moe._COUNTERS[0].any()
-    folded = [kw for kw in calls if kw.get("shared_w") is not None]
-    assert len(folded) == (2 * len(sizes) if shared else 0)  # two layer calls per size
+    assert len(calls) == 2 * len(sizes)  # two layer calls per size
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["lite", "group_limited", "odd"])
+def test_route_few_gives_topk_softmax_picks_and_the_shared_rows(name, dtype):
+    """moe_route_few's logits are x W_r^T in fp32 (within 1e-5 of the row's scale of fp64: H products
+    summed in another order), its picks are topk_softmax's on those very logits, bit for bit, and the
+    rows after the T·k routed ones are the shared MLP's SwiGLU output, part p = its columns [p·I, (p+1)·I)."""
+    cfg, layer = few_layer(name, 2, dtype)
+    sh, i, k = layer.shared_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    for t in (1, 2, moe.GEMV_MAX_TOKENS):
+        x = torch.randn(t, 256, device="cuda").to(dtype)
+        weights, ids, logits, hid = moe.route_few(x, layer.gate.weight, cfg, sh.gate_up_proj.weight)
+        exact = x.double() @ layer.gate.weight.double().T
+        assert ((logits.double() - exact).abs() <= 1e-5 * exact.abs().amax(-1, keepdim=True)).all(), t
+        w2, ids2 = topk_softmax(logits, cfg)
+        assert torch.equal(ids, ids2) and torch.equal(weights, w2), t
+        hidden = silu_and_mul_reference(torch.nn.functional.linear(x, sh.gate_up_proj.weight))  # [t, 2I]: part 0 | part 1
+        assert close(hid[t * k:], hidden.reshape(2 * t, i), dtype), t
+        assert not moe._COUNTERS[0].any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -200,11 +226,6 @@ def test_gemv_combine_is_deterministic_and_leaves_its_counters_at_zero(dtype, mo
     the same bits, and every launch leaves the arrival counters at zero for the next one."""
     force(monkeypatch, "gemv_per_choice")
     gate_up, down = experts(16, 256, 96, dtype)
-    torch.manual_seed(1)
-    with torch.device("cuda"), default_dtype(dtype):
-        mlp = MLP(256, 2 * 96)
-    for p in mlp.parameters():
-        p.data.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
     for t in (1, 4, 33):
         x = torch.randn(t, 256, device="cuda").to(dtype)
         w, ids = random_choice(t, 3, 16, seed=t)
@@ -216,11 +237,6 @@ def test_gemv_combine_is_deterministic_and_leaves_its_counters_at_zero(dtype, mo
         assert close(first, want, dtype)
         for _ in range(5):
             assert torch.equal(moe_experts(x, w, ids, gate_up, down, shared), first)
-        assert not moe._COUNTERS[0].any()
-        # the shared experts (an MLP of 2 x 96) as two more choices per token, with the dropped choice
-        folded = moe.moe_gemv(x, w, ids, gate_up, down, shared_w=(mlp.gate_up_proj.weight, mlp.down_proj.weight))
-        assert close(folded, moe_experts(x, w, ids, gate_up, down, mlp(x)), dtype)
-        assert torch.equal(moe.moe_gemv(x, w, ids, gate_up, down, shared_w=(mlp.gate_up_proj.weight, mlp.down_proj.weight)), folded)
         assert not moe._COUNTERS[0].any()
 
 
