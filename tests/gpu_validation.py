@@ -16,7 +16,8 @@ report is complete only when every part ran on the sources being committed.
    out-of-bounds access is caught at the tensor's edge (tests marked ``cuda_graph`` are left out
    there: capture cannot allocate without the caching allocator; so are tests marked ``heavy``, the
    large sizes, which the sanitizers slow down 10-100 times — the same code paths run there at small
-   sizes); each tool's tests are dealt into ``SHARDS`` processes that run side by side; racecheck
+   sizes); each tool's tests are dealt into ``SHARDS`` processes that run side by side, balanced by
+   each test's time in the last run (``tests/sanitizer_seconds.json``, rewritten by each run); racecheck
    leaves out ``large_reference`` tests and runs at most ``RACECHECK_PER_TEST`` parametrizations of
    each test function (see ``spread``); only our kernels' errors count (see ``MEMCHECK_SKIP`` and
    ``RACECHECK_SKIP``). The parts do not share the GPU: measured on the H200, the full-size tests
@@ -36,6 +37,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,6 +49,7 @@ SANITIZER_TIMEOUT_S = 500  # per process; a run that needs longer fails the gate
 GPU_TESTS_TIMEOUT_S = 540
 PARTS = ("tests", "memcheck", "racecheck")
 REPORT = ROOT / "tests" / "gpu_validation_report.json"
+SECONDS = ROOT / "tests" / "sanitizer_seconds.json"  # each sanitized test's seconds in its last run, per tool
 
 
 def kernel_sources() -> list[Path]:
@@ -98,7 +101,8 @@ RACECHECK_PER_TEST = 4  # racecheck must instrument cuBLAS too (below): ~5-10 s 
 # Processes per tool. The sanitizers are bound by the host's cores (16 on the H200 machine), so the tools
 # run one at a time, each with all of them: run side by side (6 + 8 processes), racecheck's slowest
 # process needed more than 500 s on 2026-11-29.
-SHARDS = {"memcheck": 12, "racecheck": 14}
+SHARDS = {"memcheck": 12, "racecheck": 14}  # dealt by the last run's seconds per test (``deal``): dealt
+# round-robin, racecheck's 14 processes took 140 to 482 s on 2026-11-29
 # memcheck does not instrument these kernels (they still run): PyTorch's own (ATen), cuBLAS/CUTLASS and
 # cuDNN. That keeps its runs minutes long. racecheck cannot skip them: excluding a cuBLAS kernel from
 # racecheck crashes it ("Internal Sanitizer Error: failed to handle a hardware exception", measured on
@@ -157,6 +161,29 @@ def spread(test_ids: list[str], per_test: int) -> list[str]:
     return out
 
 
+def deal(test_ids: list[str], n: int, seconds: dict[str, float]) -> list[list[str]]:
+    """``test_ids`` into at most ``n`` shards of about equal time: the longest first, each to the shard
+    with the least time so far (``seconds``: each test's time in the last run; a test not timed before
+    counts as the median of those that were, 10 s if none); each shard in collection order."""
+    known = [seconds[i] for i in test_ids if i in seconds]
+    guess = statistics.median(known) if known else 10.0
+    order = {i: k for k, i in enumerate(test_ids)}
+    shards, load = [[] for _ in range(n)], [0.0] * n
+    for i in sorted(test_ids, key=lambda i: (-seconds.get(i, guess), order[i])):
+        s = min(range(n), key=load.__getitem__)
+        shards[s].append(i)
+        load[s] += seconds.get(i, guess)
+    return [sorted(s, key=order.__getitem__) for s in shards if s]
+
+
+def junit_seconds(junit: Path) -> dict[str, float]:
+    """Each test's seconds (setup, call and teardown) in a junit file, by pytest id ``tests/x.py::name``."""
+    if not junit.is_file():
+        return {}
+    return {f"{case.get('classname').replace('.', '/')}.py::{case.get('name')}": float(case.get("time"))
+            for case in ET.parse(junit).getroot().iter("testcase")}
+
+
 def sanitizer(tool: str, test_ids: list[str], xml: Path, log: Path, ours: set[str]) -> tuple[dict, str]:
     """``test_ids`` under ``compute-sanitizer --tool tool``: ({"tests": counts, "errors": ...}, log)."""
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", DSV2_BACKEND="cuda")
@@ -202,12 +229,16 @@ def run_sanitizer(tool: str, out_dir: Path, xml_dir: Path) -> dict:
         racecheck_tests = shared_memory_tests(kernel_tests)
         ids = spread(collect(racecheck_tests, RACECHECK_MARKERS), RACECHECK_PER_TEST)
         selection = {"racecheck_tests": racecheck_tests, "racecheck_per_test": RACECHECK_PER_TEST}
-    shards = [ids[i::SHARDS[tool]] for i in range(min(SHARDS[tool], len(ids)))]
+    timed = json.loads(SECONDS.read_text()) if SECONDS.is_file() else {}
+    shards = deal(ids, SHARDS[tool], timed.get(tool, {}))
     ours = our_kernels()
     with concurrent.futures.ThreadPoolExecutor(len(shards)) as pool:
         runs = [pool.submit(sanitizer, tool, shard, xml_dir / f"{tool}{i}.xml", out_dir / f"{tool}{i}.log", ours)
                 for i, shard in enumerate(shards)]
         counts = [r.result()[0] for r in runs]
+    for i in range(len(shards)):
+        timed.setdefault(tool, {}).update(junit_seconds(xml_dir / f"{tool}{i}.xml"))
+    SECONDS.write_text(json.dumps(timed, indent=1, sort_keys=True) + "\n")
     return {**selection, tool: summed(counts)}
 
 

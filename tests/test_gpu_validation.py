@@ -1,5 +1,6 @@
 """The GPU gate's bookkeeping, on the CPU: which kernels are ours, which sanitizer errors count."""
-from gpu_validation import PARTS, SANITIZER_MARKERS, collect, merged, our_kernels, part_ok, sanitizer_errors, spread, summed
+from gpu_validation import (PARTS, SANITIZER_MARKERS, collect, deal, junit_seconds, merged, our_kernels, part_ok,
+                            sanitizer_errors, spread, summed)
 
 VENDOR_RACE = """\
 ....========= Error: Race reported between Read access at nvjet_sm90_hsh_64x8_64x16_4x1_v_bz_TNT+0xb00
@@ -109,3 +110,24 @@ def test_a_run_past_its_time_is_killed_with_everything_it_started(tmp_path):
     time.sleep(0.5)
     # gone, or a zombie (killed; reaping orphans is the job of the machine's init, which may not do it)
     assert not stat.exists() or stat.read_text().split()[2] == "Z", "the pytest under the shell outlived the timeout"
+
+
+def test_deal_balances_shards_by_the_last_run_and_keeps_the_order():
+    ids = [f"tests/t.py::f[{i}]" for i in range(8)]
+    seconds = dict(zip(ids, [1, 8, 2, 7, 3, 6, 4, 5]))
+    shards = deal(ids, 2, seconds)
+    assert sorted(i for s in shards for i in s) == sorted(ids)          # every test once
+    assert all(s == sorted(s, key=ids.index) for s in shards)           # collection order inside a shard
+    assert sorted(sum(seconds[i] for i in s) for s in shards) == [18, 18]  # round-robin would give 16 and 20
+    new = ids + ["tests/t.py::g"]                                       # not timed before: the median, 4.5
+    assert len(deal(new, 3, seconds)) == 3 and len(deal(ids[:2], 5, {})) == 2
+
+
+def test_junit_seconds_are_keyed_by_pytest_id(tmp_path):
+    junit = tmp_path / "j.xml"
+    junit.write_text('<testsuites><testsuite name="pytest" tests="2"><testcase classname="tests.test_moe_gpu" '
+                     'name="test_a[x-1]" time="3.5"/><testcase classname="tests.test_rope_gpu" name="test_b" '
+                     'time="0.25"/></testsuite></testsuites>')
+    assert junit_seconds(junit) == {"tests/test_moe_gpu.py::test_a[x-1]": 3.5,
+                                                   "tests/test_rope_gpu.py::test_b": 0.25}
+    assert junit_seconds(tmp_path / "missing.xml") == {}
