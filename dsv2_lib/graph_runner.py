@@ -84,7 +84,6 @@ class DecodeBuffers:
         rows[:, 4] = -1
         if earlier is not None:
             rows[:B, 4] = earlier[1]
-            rows[:B, 0] = np.where(rows[:B, 4] >= 0, 0, rows[:B, 0])
         table = np.full((n, cols), -1, dtype=np.int32)
         for b, t in enumerate(block_tables):
             table[b, : len(t)] = t
@@ -99,8 +98,14 @@ class DecodeBuffers:
         self.columns = widest
         if earlier is not None:
             self.source.copy_(rows[:, 4], non_blocking=True)
-            src = self.source[:B]
-            self.input_ids[:B] = torch.where(src >= 0, earlier[0][src.clamp(min=0)], self.input_ids[:B])
+            self.input_ids[:B] = self.take_earlier(self.input_ids[:B], self.source[:B], earlier[0])
+
+    @staticmethod
+    def take_earlier(tokens: torch.Tensor, rows: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+        """``tokens [n]`` with entry ``b`` replaced by ``picks[rows[b]]`` where ``rows[b] >= 0``: tokens an
+        earlier step sampled, gathered on the GPU without the host reading them (asynchronous scheduling;
+        the eager step of :mod:`~dsv2_lib.llm` uses it too)."""
+        return torch.where(rows >= 0, picks[rows.clamp(min=0)], tokens)
 
 
 @dataclass(frozen=True, eq=False)

@@ -18,7 +18,7 @@ from . import kernels
 from .block_manager import PENDING, BlockManager, BlockStats
 from .checkpoint import load_checkpoint
 from .config import load_config
-from .graph_runner import BUCKETS, DecodeGraphRunner
+from .graph_runner import BUCKETS, DecodeBuffers, DecodeGraphRunner
 from .kv_cache import LatentCache, PagedBatch, PagedLatentCache, SequenceBatch
 from .model import DeepseekV2
 from .sampling import SamplingParams, sample_rows, sample_rows_on_device
@@ -361,8 +361,7 @@ class LLM:
             )
             tokens = torch.tensor(ids, device=self.device)
             if source is not None:
-                index = torch.tensor(source[1], device=self.device)
-                tokens = torch.where(index >= 0, source[0][index.clamp(min=0)], tokens)
+                tokens = DecodeBuffers.take_earlier(tokens, torch.tensor(source[1], device=self.device), source[0])
             last = [i - 1 for i, w in zip(itertools.accumulate(batch.lens), part) if w.samples]
             hidden = self.model(tokens, batch, cache)[torch.tensor(last, dtype=torch.int64, device=self.device)]
             logits.append(self.model.compute_logits(hidden))
