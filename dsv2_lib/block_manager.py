@@ -169,6 +169,12 @@ class BlockManager:
             evictions=self._evictions,
         )
 
+    def reset_counters(self) -> None:
+        """Count a new run from here (peak, prefix hits, evictions) over the same pool; the cached
+        prefix blocks stay (``LLM`` keeps its pool across runs)."""
+        self._peak = self.num_blocks - self.num_free_blocks
+        self._hit_blocks = self._evictions = 0
+
     # ---- sequence lifecycle --------------------------------------------------------------------
     def add_sequence(self, seq_id: Hashable, prompt: Sequence[int]) -> int:
         """Start ``seq_id``: share the cached blocks its prompt begins with; return how many tokens they hold.

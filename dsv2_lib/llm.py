@@ -108,7 +108,8 @@ class LLM:
     Serving: requests run through a scheduler (``scheduling``: ``"continuous"`` or ``"static"``;
     ``admission``: ``"reserve"`` or ``"optimistic"``, see :mod:`~dsv2_lib.scheduler`) over a paged
     latent cache of blocks of ``block_size`` tokens, shared prompt prefixes computed once when
-    ``prefix_caching``. A step computes at most ``max_num_batched_tokens`` tokens: decodes first, then
+    ``prefix_caching``: within a run, and with a cache sized once (below) across runs too, since the
+    pool and its cached blocks then outlive each run (:meth:`reset_prefix_cache` forgets them). A step computes at most ``max_num_batched_tokens`` tokens: decodes first, then
     prompt chunks (chunked prefill; ``None``: no limit, whole prompts). ``kv_cache_mib`` sizes the cache
     once, here (requests then wait for blocks); ``gpu_memory_utilization`` (CUDA only) sizes it once,
     after loading the weights, to what that fraction of the GPU's memory leaves
@@ -152,6 +153,8 @@ class LLM:
             self.config, kv_cache_mib, self.dtype, self.device, block_size, self.max_model_len)
         self.last_stats: RunStats | None = None
         self.cuda_graphs, self.async_scheduling, self._runner = cuda_graphs, async_scheduling, None
+        self._blocks: BlockManager | None = None  # the block pool of self.cache, kept across runs
+        self._serving = False  # a run over self._blocks has started and not ended
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = DeepseekV2(self.config)
         load_checkpoint(self.model, path)
@@ -245,8 +248,12 @@ class LLM:
         if cache is None:  # room for every request's worst case (prompt + max_tokens - 1 tokens) at once
             need = max(1, sum(-(-(n - 1) // self.block_size) for n in limits))
             cache = PagedLatentCache(self.config, need, self.block_size, self.dtype, self.device, max(limits, default=0))
-        sched = Scheduler(BlockManager(cache.num_blocks, self.block_size, self.prefix_caching),
-                          self.scheduling, self.admission, self.max_num_batched_tokens)
+            blocks = BlockManager(cache.num_blocks, self.block_size, self.prefix_caching)
+        else:  # one pool for the LLM's life: what earlier runs cached stays hittable
+            if self._blocks is None:
+                self._blocks = BlockManager(cache.num_blocks, self.block_size, self.prefix_caching)
+            blocks = self._blocks
+        sched = Scheduler(blocks, self.scheduling, self.admission, self.max_num_batched_tokens)
         for i, n in zip(ids, limits):  # request ids 0, 1, ... are the prompt indices
             sched.add_request(i, n - len(i))
         return self._run(sched, cache, plist, progress)
@@ -254,16 +261,40 @@ class LLM:
     def _run(self, sched: Scheduler, cache: PagedLatentCache, plist: list[SamplingParams],
              progress: bool | None) -> Iterator[tuple[int, int, str | None]]:
         """Step the scheduler to the end: model, one sample per work item that samples (decodes and
-        prompts' last chunks) with each request's own generator, stop decisions; then record ``last_stats``."""
+        prompts' last chunks) with each request's own generator, stop decisions; then record ``last_stats``.
+
+        On the LLM's own pool one run at a time. A run that does not reach its end (an error, a stream
+        closed early) may leave blocks named whose rows no step wrote, so the pool is then forgotten."""
+        shared = sched.blocks is self._blocks
+        if shared and self._serving:
+            raise RuntimeError("this LLM's cache is in use by an unfinished stream(): consume it or close() it "
+                               "before starting another run")
+        self._serving, ended = shared, False
+        sched.blocks.reset_counters()
         generators = [p.generator(self.device) for p in plist]
         start, generated = time.perf_counter(), 0
         ahead = self.async_scheduling and sched.admission == "reserve"
         steps = self._run_ahead if ahead else self._run_in_step
-        with tqdm(total=len(plist), desc="requests", unit="req", disable=None if progress is None else not progress) as bar:
-            for i, token, reason in steps(sched, cache, plist, generators, bar):
-                generated += 1
-                yield i, token, reason
+        try:
+            with tqdm(total=len(plist), desc="requests", unit="req", disable=None if progress is None else not progress) as bar:
+                for i, token, reason in steps(sched, cache, plist, generators, bar):
+                    generated += 1
+                    yield i, token, reason
+            ended = True
+        finally:
+            if shared:
+                self._serving = False
+                if not ended:
+                    self._blocks = None
         self.last_stats = RunStats(sched.stats(), sched.blocks.stats(), generated, time.perf_counter() - start)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the prompt blocks earlier runs left in the pool's prefix cache, so that the next run
+        computes every prompt in full (to time prefill, say). Only a cache sized once (``kv_cache_mib``,
+        ``gpu_memory_utilization``) keeps them across runs."""
+        if self._serving:
+            raise RuntimeError("reset_prefix_cache: an unfinished stream() is using the cache; consume it or close() it first")
+        self._blocks = None
 
     def _run_in_step(self, sched, cache, plist, generators, bar) -> Iterator[tuple[int, int, str | None]]:
         """One step at a time: run it, read its tokens back (the host waits), update, plan the next."""

@@ -2,7 +2,11 @@
 on the H200 `python -m dsv2_lib bench` is the measurement)."""
 import json
 
-from dsv2_lib import bench
+import torch
+
+from dsv2_lib import LLM, bench
+from dsv2_lib.block_manager import block_bytes
+from dsv2_lib.config import TINY
 
 
 def test_bench_runs_both_engines_and_writes_json_and_plot(tmp_path):
@@ -54,3 +58,14 @@ def test_decode_window_opens_when_no_request_is_still_prefilling():
     m, w = 5, bench.decode_window_start(4, 12, 16)
     assert steps(w + m) - steps(w) == m  # the window holds m steps, each of the whole batch decoding
     assert steps(1 + m) - steps(1) > m   # from the first token, the window would also hold the ramp's steps
+
+
+def test_every_timed_run_of_ours_computes_its_prompts():
+    """The bench repeats the same prompts on one LLM with a pool sized once; without the reset the
+    repeats would find their prompts in the prefix cache and time no prefill."""
+    llm = LLM("tiny", device="cpu", dtype="float32", kv_cache_mib=64 * block_bytes(TINY, torch.float32, 16) / 2**20)
+    ids = [list(range(40, 80)), list(range(90, 130))]
+    for _ in range(2):
+        bench._ours(llm, ids, 2)
+        assert llm.last_stats.scheduler.prefix_hit_tokens == 0
+        assert llm.last_stats.scheduler.prefill_tokens == 80

@@ -441,3 +441,46 @@ def test_async_scheduling_stream_order_and_text(tiny):
     finally:
         tiny.async_scheduling = True
     assert events[True] == events[False] and len(events[True]) == 18
+
+
+def test_a_sized_pool_keeps_its_prefix_cache_across_runs():
+    """With ``kv_cache_mib`` the pool outlives a run: the same prompt again finds its full blocks (all
+    but the last token's block), computes only the rest and gives the same tokens; the statistics are
+    the run's own; ``reset_prefix_cache`` forgets the blocks."""
+    llm = LLM("tiny", device="cpu", dtype="float32", kv_cache_mib=24 * tiny_block_mib(4), block_size=4)
+    prompt, params = list(range(30, 53)), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    first = llm.generate(prompt, params)[0].token_ids
+    assert llm.last_stats.scheduler.prefix_hit_tokens == 0 and llm.last_stats.scheduler.prefill_tokens == 23
+    again = llm.generate(prompt, params)[0].token_ids
+    s = llm.last_stats.scheduler
+    assert again == first
+    assert (s.prefix_hit_tokens, s.prefill_tokens) == (20, 3)  # 5 full blocks in prompt[:-1], 3 tokens computed
+    assert llm.last_stats.blocks.prefix_hit_blocks == 5 and s.peak_used_blocks == 7  # 27 tokens with slots
+    llm.reset_prefix_cache()
+    assert llm.generate(prompt, params)[0].token_ids == first
+    assert llm.last_stats.scheduler.prefix_hit_tokens == 0
+
+
+def test_a_pool_sized_per_run_starts_empty(tiny):
+    prompt, params = list(range(30, 53)), SamplingParams(max_tokens=2, temperature=0.0)
+    tiny.generate(prompt, params)
+    tiny.generate(prompt, params)
+    assert tiny.last_stats.scheduler.prefix_hit_tokens == 0
+
+
+def test_an_unfinished_stream_holds_the_pool_and_closing_it_forgets_the_cache():
+    """A second run while a stream over the pool is unfinished is refused (both would allocate the same
+    blocks); a stream closed early may leave blocks named whose rows no step wrote, so its pool's
+    prefix cache is dropped, and the next run computes everything (and gives the same tokens)."""
+    llm = LLM("tiny", device="cpu", dtype="float32", kv_cache_mib=24 * tiny_block_mib(4), block_size=4)
+    prompt, params = list(range(30, 53)), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    want = llm.generate(prompt, params)[0].token_ids
+    stream = llm.stream(prompt, params)
+    assert next(stream)[1] == want[0]
+    with pytest.raises(RuntimeError, match="unfinished stream"):
+        llm.generate(prompt, params)
+    with pytest.raises(RuntimeError, match="unfinished stream"):
+        llm.reset_prefix_cache()
+    stream.close()
+    assert llm.generate(prompt, params)[0].token_ids == want
+    assert llm.last_stats.scheduler.prefix_hit_tokens == 0
