@@ -222,8 +222,9 @@ class LLM:
 
         A request's pieces concatenate to its final text (a piece is held back while it ends in an
         incomplete UTF-8 character); ``None`` without a tokenizer. Prompts are validated, and a request
-        larger than the cache rejected, here, before the first token. With ``kv_cache_mib`` the runs of
-        one LLM share its cache: consume one stream before starting another. No progress bar by default.
+        larger than the cache rejected, here, before the first token. With a cache sized once the runs of
+        one LLM share it: consume (or ``close()``) one stream before starting another run, which is
+        refused until then. No progress bar by default.
         """
         ids, plist = self._requests(prompts, params)
         return self._pieces(self._serve(ids, plist, progress), len(ids))
