@@ -2,7 +2,7 @@
 
     python tests/gpu_validation.py tests        # part 1: pytest -m gpu (~3 min on the H200)
     python tests/gpu_validation.py memcheck     # part 2: compute-sanitizer memcheck over the kernel tests
-    python tests/gpu_validation.py racecheck    # part 3: compute-sanitizer racecheck (~4-5 min)
+    python tests/gpu_validation.py racecheck    # part 3: compute-sanitizer racecheck (~8 min)
     python tests/gpu_validation.py              # all three, one after the other
 
 Each part fits one 10-minute call on the GPU machine and writes its section of
@@ -99,10 +99,9 @@ SANITIZER_MARKERS = "gpu and not cuda_graph and not heavy"
 RACECHECK_MARKERS = SANITIZER_MARKERS + " and not large_reference"
 RACECHECK_PER_TEST = 4  # racecheck must instrument cuBLAS too (below): ~5-10 s per test there
 # Processes per tool. The sanitizers are bound by the host's cores (16 on the H200 machine), so the tools
-# run one at a time, each with all of them: run side by side (6 + 8 processes), racecheck's slowest
-# process needed more than 500 s on 2026-11-29.
-SHARDS = {"memcheck": 12, "racecheck": 14}  # dealt by the last run's seconds per test (``deal``): dealt
-# round-robin, racecheck's 14 processes took 140 to 482 s on 2026-11-29
+# run one at a time, each with all of them (side by side, 6 + 8 processes, racecheck's slowest process
+# needed more than its 500 s on 2026-11-29). Tests are dealt by their seconds in the last run (``deal``).
+SHARDS = {"memcheck": 12, "racecheck": 14}
 # memcheck does not instrument these kernels (they still run): PyTorch's own (ATen), cuBLAS/CUTLASS and
 # cuDNN. That keeps its runs minutes long. racecheck cannot skip them: excluding a cuBLAS kernel from
 # racecheck crashes it ("Internal Sanitizer Error: failed to handle a hardware exception", measured on
@@ -221,7 +220,8 @@ def run_tests(out_dir: Path, xml_dir: Path) -> dict:
 
 
 def run_sanitizer(tool: str, out_dir: Path, xml_dir: Path) -> dict:
-    """Part 2 or 3: the tool's tests dealt round-robin into ``SHARDS[tool]`` processes, side by side."""
+    """Part 2 or 3: the tool's tests dealt by their last run's seconds (``deal``) into ``SHARDS[tool]``
+    processes, side by side; each test's seconds in this run are written back to ``SECONDS``."""
     kernel_tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*_gpu.py"))
     if tool == "memcheck":
         ids, selection = collect(kernel_tests, SANITIZER_MARKERS), {"kernel_tests": kernel_tests}
