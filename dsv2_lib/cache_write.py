@@ -9,8 +9,8 @@ reads no count back.
 
 Bounds. A slot ``>= num_rows`` is an error: the reference raises ``IndexError`` (PyTorch's), and
 the kernel wrapper raises the same before the launch when the host knows the slots (``slot_mapping``
-on the CPU, or ``host_slots`` passed alongside the device tensor, as the engine does); otherwise the
-kernel skips such a token, so no write ever lands outside the cache.
+on the CPU, or ``host_slots`` or their ``max_slot`` passed alongside the device tensor, as the engine
+does); otherwise the kernel skips such a token, so no write ever lands outside the cache.
 """
 from __future__ import annotations
 
@@ -35,12 +35,14 @@ def write_cache_rows_reference(cache: torch.Tensor, rows: torch.Tensor, slot_map
 
 
 def write_cache_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor, *,
-                     host_slots: Sequence[int] | None = None) -> None:
+                     host_slots: Sequence[int] | None = None, max_slot: int | None = None) -> None:
     """Write ``rows [T, D]`` into ``cache [R, D]`` at ``slot_mapping [T]`` (int64; -1 = skip), in place.
 
     The kernel for CUDA tensors, else :func:`write_cache_rows_reference`. ``host_slots`` (the same
     slots as host ints, e.g. :attr:`PagedBatch.slots <dsv2_lib.kv_cache.PagedBatch>`) lets the
-    kernel path refuse a slot ``>= R`` before the launch without reading the device; a CPU
+    kernel path refuse a slot ``>= R`` before the launch without reading the device; ``max_slot``, their
+    largest, does the same for a caller that knows it already (the engine: once per step,
+    :attr:`PagedBatch.max_slot <dsv2_lib.kv_cache.PagedBatch>`, not over every slot in every layer). A CPU
     ``slot_mapping`` is checked and copied to the cache's device. Rows must have the cache's dtype
     (the reference's indexed assignment refuses another one too).
     """
@@ -60,9 +62,9 @@ def write_cache_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torc
     if host_slots is not None:
         if len(host_slots) != T:
             raise ValueError(f"write_cache_rows: {len(host_slots)} host slots for {T} rows")
-        top = max(host_slots, default=-1)
-        if top >= num_rows:
-            raise IndexError(f"write_cache_rows: slot {top} out of range: the cache has {num_rows} rows")
+        max_slot = max(host_slots, default=-1)
+    if max_slot is not None and max_slot >= num_rows:
+        raise IndexError(f"write_cache_rows: slot {max_slot} out of range: the cache has {num_rows} rows")
     kernels.check(rows, "write_cache_rows rows", dtype=cache.dtype, device=cache.device, contiguous=False)
     kernels.check(slot_mapping, "write_cache_rows slot_mapping", dtype=torch.int64, device=cache.device)
     if cache.stride(1) != 1 or rows.stride(1) != 1:

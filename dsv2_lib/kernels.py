@@ -145,10 +145,14 @@ _streams: dict[int, object] = {}
 
 
 def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
-    """Launch on PyTorch's current stream (read now, so graph capture records the launch)."""
+    """Launch on PyTorch's current stream (read now, so graph capture records the launch).
+
+    The handle comes from ``torch._C._cuda_getCurrentRawStream`` (what Triton and PyTorch's own
+    generated code call): ``torch.cuda.current_stream()`` builds a Stream object each time, several
+    microseconds per launch, and a prefill layer makes dozens of launches."""
     import cupy
 
-    handle = torch.cuda.current_stream().cuda_stream
+    handle = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
     stream = _streams.get(handle)
     if stream is None:
         stream = _streams[handle] = cupy.cuda.Stream.from_external(_TorchStream(handle))

@@ -13,9 +13,10 @@ over it becomes a :class:`PagedBatch` (:meth:`SequenceBatch.paged`), so attentio
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from .block_manager import block_bytes, blocks_in_mib
@@ -40,10 +41,21 @@ class _Packed:
         return max((s + n - 1 for s, n in zip(self.starts, self.lens)), default=-1)
 
     def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Absolute position of every packed token, ``[num_tokens]`` int64."""
-        return torch.cat(
-            [torch.arange(s, s + n, dtype=torch.int64) for s, n in zip(self.starts, self.lens)]
-        ).to(device)
+        """Absolute position of every packed token, ``[num_tokens]`` int64: ``starts[i] + j`` for token ``j``
+        of sequence ``i``, i.e. the packed index minus where the sequence's tokens begin, plus its start."""
+        lens = np.asarray(self.lens, dtype=np.int64)
+        shift = np.repeat(np.asarray(self.starts, dtype=np.int64) - (np.cumsum(lens) - lens), lens)
+        return to_device(np.arange(lens.sum(), dtype=np.int64) + shift, torch.int64, device)
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Host values (a sequence of numbers or a numpy array) as a new ``dtype`` tensor on ``device``.
+
+    The copy is queued, not waited for: PyTorch's blocking host-to-GPU copy synchronizes the stream,
+    so the host would stop queuing work until the GPU caught up, once per copy. From pageable memory
+    CUDA stages the values before the call returns, so nothing here must outlive it.
+    """
+    return torch.tensor(np.asarray(values), dtype=dtype).to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -75,7 +87,9 @@ class PagedBatch(_Packed):
     cached tokens (its prefix-cache hits included) and brings ``lens[i]`` new tokens at positions
     ``starts[i] ..``; its position ``p`` lives in row ``block_tables[i][p // block_size] * block_size
     + p % block_size``. ``slots[t]`` is the row that packed token ``t``'s cache row is written to
-    (-1: not written). The tensors below are built once per step, on ``device``.
+    (-1: not written). The tensors below are built once per step, on ``device``. ``host_checked``: the
+    token ids are known to lie in the vocabulary (the engine checked the prompts; the rest are its own
+    samples), so the embedding skips its device check, a sync.
     """
 
     starts: tuple[int, ...]
@@ -85,6 +99,7 @@ class PagedBatch(_Packed):
     slots: tuple[int, ...]
     decode: bool = False
     device: torch.device | str = "cpu"
+    host_checked: bool = field(default=False, kw_only=True)
 
     @property
     def context_lens(self) -> tuple[int, ...]:
@@ -99,39 +114,46 @@ class PagedBatch(_Packed):
     @cached_property
     def slot_mapping(self) -> torch.Tensor:
         """``[num_tokens]`` int64: the row each new token's cache row goes to (-1: skipped)."""
-        return torch.tensor(self.slots, dtype=torch.int64).to(self.device)
+        return to_device(self.slots, torch.int64, self.device)
+
+    @cached_property
+    def max_slot(self) -> int:
+        """The largest slot (-1 for none), on the host: found once per step, it lets every layer's cache
+        write refuse a slot outside the pool without reading the device."""
+        return max(self.slots, default=-1)
 
     @cached_property
     def block_table(self) -> torch.Tensor:
         """``[num_seqs, max_blocks]`` int32, each sequence's blocks padded with -1 (what a paged kernel reads)."""
-        return self._host_table.to(torch.int32).to(self.device)
+        return to_device(self._host_table, torch.int32, self.device)
 
     @cached_property
     def context_rows(self) -> torch.Tensor:
         """``[num_seqs, max_context]`` int64: the row of every position each sequence attends over,
         padded with row 0 (never attended: lengths mask it)."""
-        return self._host_context_rows.masked_fill(~self._host_in_context, 0).to(self.device)
+        return to_device(np.where(self._host_in_context, self._host_context_rows, 0), torch.int64, self.device)
 
     @cached_property
     def packed_context_rows(self) -> torch.Tensor:
         """``[sum(context_lens)]`` int64: every sequence's context rows, packed one sequence after another."""
-        return self._host_context_rows[self._host_in_context].to(self.device)
+        return to_device(self._host_context_rows[self._host_in_context], torch.int64, self.device)
 
-    # built on the host from the tuples, so that no step reads the device
+    # built on the host (numpy: no device read, and far cheaper than small CPU tensors) from the tuples
     @cached_property
-    def _host_table(self) -> torch.Tensor:
-        width = max(map(len, self.block_tables), default=0)
-        return torch.tensor([list(t) + [-1] * (width - len(t)) for t in self.block_tables],
-                            dtype=torch.int64).view(len(self.block_tables), width)
+    def _host_table(self) -> np.ndarray:
+        table = np.full((len(self.block_tables), max(map(len, self.block_tables), default=0)), -1, dtype=np.int64)
+        for row, blocks in zip(table, self.block_tables):
+            row[: len(blocks)] = blocks
+        return table
 
     @cached_property
-    def _host_context_rows(self) -> torch.Tensor:
-        pos = torch.arange(max(self.context_lens, default=0))
+    def _host_context_rows(self) -> np.ndarray:
+        pos = np.arange(max(self.context_lens, default=0))
         return self._host_table[:, pos // self.block_size] * self.block_size + pos % self.block_size
 
     @cached_property
-    def _host_in_context(self) -> torch.Tensor:
-        return torch.arange(self._host_context_rows.shape[1]) < torch.tensor(self.context_lens)[:, None]
+    def _host_in_context(self) -> np.ndarray:
+        return np.arange(self._host_context_rows.shape[1]) < np.asarray(self.context_lens, dtype=np.int64)[:, None]
 
 
 def as_paged(batch: SequenceBatch | PagedBatch, cache: torch.Tensor) -> tuple[PagedBatch, torch.Tensor]:

@@ -39,7 +39,7 @@ def write_latent_cache(cache: torch.Tensor, batch: SequenceBatch | PagedBatch, r
     its reference."""
     batch, cache = as_paged(batch, cache)
     if kernels.use_kernels(cache):
-        write_cache_rows(cache, rows, batch.slot_mapping, host_slots=batch.slots)
+        write_cache_rows(cache, rows, batch.slot_mapping, max_slot=batch.max_slot)
         return
     keep = batch.slot_mapping >= 0
     cache[batch.slot_mapping[keep]] = rows[keep]

@@ -50,6 +50,8 @@ def test_out_of_range_slots():
     cache, rows, slots = inputs(64, 8, 576, torch.bfloat16)
     with pytest.raises(IndexError, match="slot 64 out of range"):
         write_cache_rows(cache, rows, slots, host_slots=[64] + [-1] * 7)
+    with pytest.raises(IndexError, match="slot 64 out of range"):
+        write_cache_rows(cache, rows, slots, max_slot=64)  # the largest slot, as a PagedBatch knows it
     with pytest.raises(IndexError, match="out of range"):
         write_cache_rows(cache, rows, torch.tensor([70] + [-1] * 7))  # a host slot_mapping is checked too
     before = cache.clone()

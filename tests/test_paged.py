@@ -81,6 +81,20 @@ def test_block_table_is_int32_padded_with_minus_one():
     assert batch.packed_context_rows.tolist() == [*range(48, 64), *range(0, 16), 32, 33, *range(16, 21)]
 
 
+def test_host_built_indices_positions_and_max_slot():
+    batch = paged_batch([[3, 0, 2], [1]], [33, 0], [1, 5], 16, decode=False)
+    assert batch.positions().dtype == torch.int64 and batch.positions().tolist() == [33, 0, 1, 2, 3, 4]
+    assert batch.slot_mapping.dtype == torch.int64 and batch.slot_mapping.tolist() == list(batch.slots)
+    assert batch.slots == (33, 16, 17, 18, 19, 20) and batch.max_slot == 33
+    rows = batch.context_rows  # [num_seqs, max_context], padded with row 0
+    assert rows.dtype == torch.int64 and rows.shape == (2, 34)
+    assert rows[0].tolist() == [*range(48, 64), *range(0, 16), 32, 33]
+    assert rows[1].tolist() == [*range(16, 21)] + [0] * 29
+    empty = PagedBatch((), (), (), 16, ())
+    assert empty.positions().shape == (0,) and empty.max_slot == -1
+    assert empty.packed_context_rows.shape == (0,) and empty.block_table.shape == (0, 0)
+
+
 def test_cache_sized_in_mib_and_checks():
     cfg = CONFIGS["lite"]
     one = block_bytes(cfg, torch.float32, 4) / 2**20
