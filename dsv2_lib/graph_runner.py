@@ -116,14 +116,13 @@ class StaticDecodeBatch(PagedBatch):
 
     buffers: DecodeBuffers | None = field(default=None, kw_only=True)
     bound: int = field(default=1, kw_only=True)  # no entry attends over more rows: the cache's max_len
+    host_checked: bool = field(default=True, kw_only=True)  # the runner checked the ids: no device check (a sync)
 
     @classmethod
     def over(cls, buffers: DecodeBuffers, cache: PagedLatentCache) -> StaticDecodeBatch:
         n = buffers.input_ids.shape[0]
         return cls(starts=(0,) * n, lens=(1,) * n, block_tables=((0,),) * n, block_size=cache.block_size,
                    slots=(-1,) * n, decode=True, device=buffers.input_ids.device, buffers=buffers, bound=cache.max_len)
-
-    host_checked = True  # the ids were checked on the host: the embedding needs no device check (a sync)
 
     @property
     def last_position(self) -> int:

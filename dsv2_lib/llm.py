@@ -19,7 +19,7 @@ from .block_manager import PENDING, BlockManager, BlockStats
 from .checkpoint import load_checkpoint
 from .config import load_config
 from .graph_runner import BUCKETS, DecodeBuffers, DecodeGraphRunner
-from .kv_cache import LatentCache, PagedBatch, PagedLatentCache, SequenceBatch
+from .kv_cache import LatentCache, PagedBatch, PagedLatentCache, SequenceBatch, to_device
 from .model import DeepseekV2
 from .sampling import SamplingParams, sample_rows, sample_rows_on_device
 from .scheduler import ADMISSIONS, MODES, Scheduler, SchedulerStats, Work
@@ -178,11 +178,12 @@ class LLM:
         if not ids:
             raise ValueError(f"prompt {index} is empty")
         vocab = self.config.vocab_size
-        for pos, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool):
-                raise ValueError(f"prompt {index}: token {pos} is {t!r}, not an int (a prompt is text or a list of ints)")
-            if not 0 <= t < vocab:
-                raise ValueError(f"prompt {index}: token {pos} is {t!r}, outside the vocabulary [0, {vocab})")
+        if not (all(type(t) is int for t in ids) and 0 <= min(ids) and max(ids) < vocab):  # C loops; else find the culprit
+            for pos, t in enumerate(ids):
+                if not isinstance(t, int) or isinstance(t, bool):
+                    raise ValueError(f"prompt {index}: token {pos} is {t!r}, not an int (a prompt is text or a list of ints)")
+                if not 0 <= t < vocab:
+                    raise ValueError(f"prompt {index}: token {pos} is {t!r}, outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt {index} has {len(ids)} tokens; the context holds {self.max_model_len} "
@@ -295,7 +296,8 @@ class LLM:
         ``gpu_memory_utilization``) keeps them across runs."""
         if self._serving:
             raise RuntimeError("reset_prefix_cache: an unfinished stream() is using the cache; consume it or close() it first")
-        self._blocks = None
+        if self._blocks is not None:  # (None: the next run makes a new pool, empty)
+            self._blocks.forget_cached()
 
     def _run_in_step(self, sched, cache, plist, generators, bar) -> Iterator[tuple[int, int, str | None]]:
         """One step at a time: run it, read its tokens back (the host waits), update, plan the next."""
@@ -390,12 +392,13 @@ class LLM:
                 starts=tuple(w.positions.start for w in part), lens=tuple(len(w.token_ids) for w in part),
                 block_tables=tuple(w.block_table for w in part), block_size=cache.block_size,
                 slots=tuple(s for w in part for s in w.slots), decode=not part[0].prefill, device=self.device,
+                host_checked=True,  # prompts were checked by _token_ids, the other ids are the model's samples
             )
-            tokens = torch.tensor(ids, device=self.device)
+            tokens = to_device(ids, torch.int64, self.device)
             if source is not None:
-                tokens = DecodeBuffers.take_earlier(tokens, torch.tensor(source[1], device=self.device), source[0])
+                tokens = DecodeBuffers.take_earlier(tokens, to_device(source[1], torch.int64, self.device), source[0])
             last = [i - 1 for i, w in zip(itertools.accumulate(batch.lens), part) if w.samples]
-            hidden = self.model(tokens, batch, cache)[torch.tensor(last, dtype=torch.int64, device=self.device)]
+            hidden = self.model(tokens, batch, cache)[to_device(last, torch.int64, self.device)]
             logits.append(self.model.compute_logits(hidden))
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 

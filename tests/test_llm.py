@@ -484,3 +484,20 @@ def test_an_unfinished_stream_holds_the_pool_and_closing_it_forgets_the_cache():
     stream.close()
     assert llm.generate(prompt, params)[0].token_ids == want
     assert llm.last_stats.scheduler.prefix_hit_tokens == 0
+
+
+def test_engine_batches_are_host_checked(tiny, monkeypatch):
+    """The engine validates prompts on the host and samples the other ids itself, so every batch it runs
+    says so (the embedding kernel then skips its sync), and its index tensors match the batch's tuples."""
+    seen = []
+    forward = type(tiny.model).forward
+
+    def spy(model, input_ids, batch, cache):
+        seen.append((batch.host_checked, input_ids.tolist(), batch.positions().tolist()))
+        return forward(model, input_ids, batch, cache)
+
+    monkeypatch.setattr(type(tiny.model), "forward", spy)
+    prompt = [5, 6, 7]
+    out = tiny.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))[0]
+    assert [s[0] for s in seen] == [True] * 3
+    assert seen[0][1:] == (prompt, [0, 1, 2]) and seen[1][1:] == ([out.token_ids[0]], [3])
