@@ -212,12 +212,16 @@ class BlockManager:
                 f"(it holds {len(tokens)} tokens in {len(table)} blocks), but only {self.num_free_blocks} "
                 f"of {self.num_blocks} blocks are free"
             )
-        slots = []
-        for t in token_ids:
+        slots, done = [], 0
+        while done < len(token_ids):  # a block at a time: the tokens that fit in the sequence's last block
             if len(tokens) == len(table) * bs:
                 table.append(self._take_free_block())
-            slots.append(table[-1] * bs + len(tokens) % bs)
-            tokens.append(t)
+            offset = len(tokens) % bs
+            n = min(bs - offset, len(token_ids) - done)
+            first = table[-1] * bs + offset
+            slots.extend(range(first, first + n))
+            tokens.extend(token_ids[done: done + n])
+            done += n
             if self.prefix_caching and len(tokens) % bs == 0:
                 self._name_full_blocks(seq_id)
         self._peak = max(self._peak, self.num_blocks - self.num_free_blocks)
@@ -232,6 +236,15 @@ class BlockManager:
         tokens[position] = token
         if self.prefix_caching:
             self._name_full_blocks(seq_id)
+
+    def forget_cached(self) -> None:
+        """Empty the prefix cache of blocks no sequence holds: they become plain free blocks. Costs
+        one step per cached block, not per block of the pool (an engine's pool has ~10⁵)."""
+        for b in self._evictable:
+            del self._cache[self._name[b]]
+            self._name[b] = None
+        self._clean.extend(reversed(self._evictable))  # the least recently released is taken first
+        self._evictable.clear()
 
     def free(self, seq_id: Hashable) -> None:
         """Release the blocks of ``seq_id``. Named blocks stay in the prefix cache as evictable,

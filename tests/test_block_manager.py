@@ -195,6 +195,21 @@ def test_freed_cached_blocks_are_hit_again_until_evicted_tail_first():
     assert (s.free_blocks, s.evictable_blocks, s.prefix_hit_blocks, s.prefix_hit_tokens) == (0, 0, 2, 8)
 
 
+def test_forget_cached_empties_the_prefix_cache_but_not_the_blocks_sequences_hold():
+    bm = BlockManager(6, block_size=4)
+    prompt, other = list(range(9)), list(range(100, 105))  # 2 full blocks + 1 token; 1 full block + 1
+    for seq, p in (("a", prompt), ("b", other)):
+        bm.add_sequence(seq, p)
+        bm.append_slots(seq, p)
+    bm.free("a")
+    assert bm.stats().evictable_blocks == 2
+    bm.forget_cached()
+    s = bm.stats()
+    assert (s.evictable_blocks, s.free_blocks, s.used_blocks) == (0, 4, 2)
+    assert bm.add_sequence("c", prompt) == 0  # a's blocks are plain free blocks now
+    assert bm.add_sequence("d", other[:4] + [7]) == 4  # b still holds its full block: still named, still hit
+
+
 def test_eviction_is_least_recently_released_first():
     bm = BlockManager(4, block_size=2)
     for seq, prompt in [("x", [1, 1, 0]), ("y", [2, 2, 0])]:
@@ -249,7 +264,7 @@ def test_random_operations_keep_the_pool_consistent(num_blocks, block_size, cach
         seqs[seq] += new
 
     for step in range(data.draw(st.integers(1, 25))):
-        op = data.draw(st.sampled_from(["add", "append", "free"] if seqs else ["add"]))
+        op = data.draw(st.sampled_from(["add", "append", "free", "forget"] if seqs else ["add", "forget"]))
         if op == "add":
             prompt = data.draw(tokens)
             cached = bm.add_sequence(step, prompt)
@@ -258,10 +273,13 @@ def test_random_operations_keep_the_pool_consistent(num_blocks, block_size, cach
             write(step, prompt[cached:])
         elif op == "append":
             write(data.draw(st.sampled_from(sorted(seqs))), data.draw(tokens))
-        else:
+        elif op == "free":
             seq = data.draw(st.sampled_from(sorted(seqs)))
             bm.free(seq)
             del seqs[seq]
+        else:
+            bm.forget_cached()
+            assert bm.stats().evictable_blocks == 0
 
         held = Counter()
         for seq, toks in seqs.items():
