@@ -95,7 +95,8 @@ def test_topk_softmax_refuses_bad_input():
 
 # ---- alignment ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("t,k,e,block", [(1, 6, 64, 64), (3, 6, 64, 64), (17, 6, 64, 64), (300, 6, 64, 64),
-                                         (4096, 6, 64, 64), (4096, 6, 64, 8), (100, 2, 16, 1), (33, 6, 160, 64)])
+                                         (4096, 6, 64, 64), (4096, 6, 64, 8), (5000, 6, 64, 16), (100, 2, 16, 1),
+                                         (33, 6, 160, 64)])
 def test_moe_align_matches_reference(t, k, e, block):
     _, ids = random_choice(t, k, e, seed=t)
     for a, b in zip(moe_align(ids, e, block), moe_align_reference(ids, e, block)):
