@@ -219,19 +219,15 @@ def topk_softmax(logits: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, 
     k = cfg.num_experts_per_tok
     if not 0 < k <= min(e, MAX_TOPK) or e > MAX_EXPERTS:
         raise ValueError(f"topk_softmax: needs 0 < k <= min(E, {MAX_TOPK}) and E <= {MAX_EXPERTS}, got k={k}, E={e}")
-    n_group = topk_group = 0
-    if cfg.topk_method == "group_limited_greedy":
-        n_group, topk_group = cfg.n_group, cfg.topk_group
-        if not (0 < n_group <= 32 and e % n_group == 0 and 0 < topk_group <= n_group and k <= topk_group * (e // n_group)):
-            raise ValueError(f"topk_softmax: bad groups n_group={n_group}, topk_group={topk_group} for E={e}, k={k}")
+    if not _groups_fit(cfg):
+        raise ValueError(f"topk_softmax: bad groups n_group={cfg.n_group}, topk_group={cfg.topk_group} for E={e}, k={k}")
     weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
     if t:
         warps = 4
         kernels.launch(MOE_CU.function("topk_softmax", logits.device), (-(-t // warps),), (32 * warps,),
                        (kernels.ptr(weights), kernels.ptr(ids), kernels.ptr(logits), np.int32(t), np.int32(e),
-                        np.int32(k), np.int32(n_group), np.int32(topk_group),
-                        np.int32(k > 1 and cfg.norm_topk_prob), np.float32(cfg.routed_scaling_factor)))
+                        np.int32(k), *_router_args(cfg)))
     return weights, ids
 
 
@@ -503,10 +499,19 @@ def _combine(y, weights, slot_of, shared, ids=None, n_experts=0) -> torch.Tensor
 
 
 def _router_args(cfg: ModelConfig) -> tuple:
-    """(n_group, topk_group, renorm, scale) as the router kernels take them."""
+    """(n_group, topk_group, renorm, scale) as the router kernels take them (groups 0, 0: greedy)."""
     k = cfg.num_experts_per_tok
     groups = (cfg.n_group, cfg.topk_group) if cfg.topk_method == "group_limited_greedy" else (0, 0)
     return (*map(np.int32, groups), np.int32(k > 1 and cfg.norm_topk_prob), np.float32(cfg.routed_scaling_factor))
+
+
+def _groups_fit(cfg: ModelConfig) -> bool:
+    """Greedy routing, or groups the router kernels take: at most 32 (one per lane), E a multiple of
+    them, and enough experts in the kept groups for k picks."""
+    if cfg.topk_method != "group_limited_greedy":
+        return True
+    e, k, g, tg = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+    return 0 < g <= 32 and e % g == 0 and 0 < tg <= g and k <= tg * (e // g)
 
 
 def _few_tokens(x: torch.Tensor, cfg: ModelConfig) -> bool:
@@ -517,12 +522,8 @@ def _few_tokens(x: torch.Tensor, cfg: ModelConfig) -> bool:
     t, h = x.shape
     e, k, i = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     limit = FP32_GEMV_MAX_TOKENS if x.dtype == torch.float32 else GEMV_MAX_TOKENS
-    ok = 0 < t <= limit and e <= MAX_EXPERTS and 0 < k <= min(e, MAX_TOPK) and h % 8 == 0 and i % 8 == 0 \
-        and x.is_contiguous() and kernels.aligned16(x)
-    if cfg.topk_method == "group_limited_greedy":
-        g, tg = cfg.n_group, cfg.topk_group
-        ok = ok and 0 < g <= 32 and e % g == 0 and 0 < tg <= g and k <= tg * (e // g)
-    return ok
+    return 0 < t <= limit and e <= MAX_EXPERTS and 0 < k <= min(e, MAX_TOPK) and h % 8 == 0 and i % 8 == 0 \
+        and x.is_contiguous() and kernels.aligned16(x) and _groups_fit(cfg)
 
 
 def _few_applies(x: torch.Tensor, cfg: ModelConfig, gate_w: torch.Tensor, gate_up_proj: torch.Tensor,
@@ -612,9 +613,6 @@ def moe_decode(x: torch.Tensor, logits: torch.Tensor, cfg: ModelConfig, gate_up_
     if not kernels.aligned16(gate_up_proj, down_proj):
         raise ValueError("moe_decode: expert weights must be 16-byte aligned")
     dev, ct = x.device, CUDA_TYPE[x.dtype]
-    n_group = topk_group = 0
-    if cfg.topk_method == "group_limited_greedy":
-        n_group, topk_group = cfg.n_group, cfg.topk_group
     weights = torch.empty(t, k, dtype=torch.float32, device=dev)
     ids = torch.empty(t, k, dtype=torch.int64, device=dev)
     work = _items_workspace(t * k, e, dev)
@@ -626,8 +624,7 @@ def moe_decode(x: torch.Tensor, logits: torch.Tensor, cfg: ModelConfig, gate_up_
         units = s_parts * -(-t // GEMV_TB) * n_cols
     kernels.launch(MOE_CU.function(f"moe_route_gemv<{ct}>", dev), (1 + units,), (ROUTER_THREADS,),
                    (kernels.ptr(weights), kernels.ptr(ids), kernels.ptr(logits), np.int32(t), np.int32(e), np.int32(k),
-                    np.int32(n_group), np.int32(topk_group), np.int32(k > 1 and cfg.norm_topk_prob),
-                    np.float32(cfg.routed_scaling_factor), kernels.ptr(work[0]), kernels.ptr(work[1]), kernels.ptr(work[2]),
+                    *_router_args(cfg), kernels.ptr(work[0]), kernels.ptr(work[1]), kernels.ptr(work[2]),
                     none if h_sh is None else kernels.ptr(h_sh), kernels.ptr(x),
                     none if h_sh is None else kernels.ptr(shared_w[0]), np.int32(h), np.int32(i), np.int32(s_parts),
                     np.int32(GEMV_COLS_PER_WARP), np.int32(n_cols)),
