@@ -45,17 +45,7 @@ class _Packed:
         of sequence ``i``, i.e. the packed index minus where the sequence's tokens begin, plus its start."""
         lens = np.asarray(self.lens, dtype=np.int64)
         shift = np.repeat(np.asarray(self.starts, dtype=np.int64) - (np.cumsum(lens) - lens), lens)
-        return to_device(np.arange(lens.sum(), dtype=np.int64) + shift, torch.int64, device)
-
-
-def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Host values (a sequence of numbers or a numpy array) as a new ``dtype`` tensor on ``device``.
-
-    The copy is queued, not waited for: PyTorch's blocking host-to-GPU copy synchronizes the stream,
-    so the host would stop queuing work until the GPU caught up, once per copy. From pageable memory
-    CUDA stages the values before the call returns, so nothing here must outlive it.
-    """
-    return torch.tensor(np.asarray(values), dtype=dtype).to(device, non_blocking=True)
+        return PagedBatch.to_device(np.arange(lens.sum(), dtype=np.int64) + shift, torch.int64, device)
 
 
 @dataclass(frozen=True)
@@ -111,10 +101,20 @@ class PagedBatch(_Packed):
         as host ints, and no device-side bound (the decode kernel takes the host values)."""
         return tuple(start + i + 1 for start, n in zip(self.starts, self.lens) for i in range(n)), None
 
+    @staticmethod
+    def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """Host values (a sequence of numbers or a numpy array) as a new ``dtype`` tensor on ``device``.
+
+        The copy is queued, not waited for: PyTorch's blocking host-to-GPU copy synchronizes the stream,
+        so the host would stop queuing work until the GPU caught up, once per copy. From pageable memory
+        CUDA stages the values before the call returns, so nothing here must outlive it.
+        """
+        return torch.tensor(np.asarray(values), dtype=dtype).to(device, non_blocking=True)
+
     @cached_property
     def slot_mapping(self) -> torch.Tensor:
         """``[num_tokens]`` int64: the row each new token's cache row goes to (-1: skipped)."""
-        return to_device(self.slots, torch.int64, self.device)
+        return self.to_device(self.slots, torch.int64, self.device)
 
     @cached_property
     def max_slot(self) -> int:
@@ -125,18 +125,18 @@ class PagedBatch(_Packed):
     @cached_property
     def block_table(self) -> torch.Tensor:
         """``[num_seqs, max_blocks]`` int32, each sequence's blocks padded with -1 (what a paged kernel reads)."""
-        return to_device(self._host_table, torch.int32, self.device)
+        return self.to_device(self._host_table, torch.int32, self.device)
 
     @cached_property
     def context_rows(self) -> torch.Tensor:
         """``[num_seqs, max_context]`` int64: the row of every position each sequence attends over,
         padded with row 0 (never attended: lengths mask it)."""
-        return to_device(np.where(self._host_in_context, self._host_context_rows, 0), torch.int64, self.device)
+        return self.to_device(np.where(self._host_in_context, self._host_context_rows, 0), torch.int64, self.device)
 
     @cached_property
     def packed_context_rows(self) -> torch.Tensor:
         """``[sum(context_lens)]`` int64: every sequence's context rows, packed one sequence after another."""
-        return to_device(self._host_context_rows[self._host_in_context], torch.int64, self.device)
+        return self.to_device(self._host_context_rows[self._host_in_context], torch.int64, self.device)
 
     # built on the host (numpy: no device read, and far cheaper than small CPU tensors) from the tuples
     @cached_property

@@ -19,7 +19,7 @@ from .block_manager import PENDING, BlockManager, BlockStats
 from .checkpoint import load_checkpoint
 from .config import load_config
 from .graph_runner import BUCKETS, DecodeBuffers, DecodeGraphRunner
-from .kv_cache import LatentCache, PagedBatch, PagedLatentCache, SequenceBatch, to_device
+from .kv_cache import LatentCache, PagedBatch, PagedLatentCache, SequenceBatch
 from .model import DeepseekV2
 from .sampling import SamplingParams, sample_rows, sample_rows_on_device
 from .scheduler import ADMISSIONS, MODES, Scheduler, SchedulerStats, Work
@@ -394,11 +394,11 @@ class LLM:
                 slots=tuple(s for w in part for s in w.slots), decode=not part[0].prefill, device=self.device,
                 host_checked=True,  # prompts were checked by _token_ids, the other ids are the model's samples
             )
-            tokens = to_device(ids, torch.int64, self.device)
+            tokens = batch.to_device(ids, torch.int64, self.device)
             if source is not None:
-                tokens = DecodeBuffers.take_earlier(tokens, to_device(source[1], torch.int64, self.device), source[0])
+                tokens = DecodeBuffers.take_earlier(tokens, batch.to_device(source[1], torch.int64, self.device), source[0])
             last = [i - 1 for i, w in zip(itertools.accumulate(batch.lens), part) if w.samples]
-            hidden = self.model(tokens, batch, cache)[to_device(last, torch.int64, self.device)]
+            hidden = self.model(tokens, batch, cache)[batch.to_device(last, torch.int64, self.device)]
             logits.append(self.model.compute_logits(hidden))
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
