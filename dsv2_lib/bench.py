@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import hashlib
 import json
 import platform
 import statistics
@@ -193,6 +194,7 @@ def run(cfg: BenchConfig) -> dict:
                      "cuda": torch.version.cuda, "transformers": _version("transformers")},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(),
+        "sources_sha256": _sources_sha256(),
         "results": [asdict(r) for r in results],
         "peak_memory_bytes": memory,
     }
@@ -253,6 +255,15 @@ def _version(package: str) -> str | None:
         return version(package)
     except Exception:  # noqa: BLE001 - a missing package is reported as None
         return None
+
+
+def _sources_sha256(root: Path = Path(__file__).resolve().parent.parent) -> str:
+    """SHA-256 over the engine's sources (``dsv2_lib/*.py`` and ``kernels_cu/*``, with their paths): names
+    the measured code where git cannot, e.g. in a copy of the working tree whose ``.git`` is older."""
+    h = hashlib.sha256()
+    for p in sorted([*(root / "dsv2_lib").glob("*.py"), *(root / "kernels_cu").glob("*.cu*")]):
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def _commit() -> str | None:

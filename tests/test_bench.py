@@ -1,6 +1,8 @@
 """The end-to-end benchmark's machinery on the CPU, with the tiny model (the numbers mean nothing here;
 on the H200 `python -m dsv2_lib bench` is the measurement)."""
 import json
+import shutil
+from pathlib import Path
 
 import torch
 
@@ -40,6 +42,7 @@ def test_bench_command_line(tmp_path, capsys):
     record = json.loads((tmp_path / "bench.json").read_text())
     assert {r["engine"] for r in record["results"]} == {"ours"} and (tmp_path / "bench.png").is_file()
     assert record["config"]["async_scheduling"] is False
+    assert record["sources_sha256"] == bench._sources_sha256()
 
 
 def test_decode_window_opens_when_no_request_is_still_prefilling():
@@ -69,3 +72,15 @@ def test_every_timed_run_of_ours_computes_its_prompts():
         bench._ours(llm, ids, 2)
         assert llm.last_stats.scheduler.prefix_hit_tokens == 0
         assert llm.last_stats.scheduler.prefill_tokens == 80
+
+
+def test_the_record_names_the_measured_sources(tmp_path):
+    """bench.json carries a hash of the engine's sources, which changes with any of them (the commit
+    field alone can be wrong when the bench runs in a copy of the working tree)."""
+    root = Path(bench.__file__).resolve().parent.parent
+    copy = tmp_path / "copy"
+    shutil.copytree(root / "dsv2_lib", copy / "dsv2_lib", ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    shutil.copytree(root / "kernels_cu", copy / "kernels_cu")
+    assert bench._sources_sha256(copy) == bench._sources_sha256()
+    (copy / "kernels_cu" / "rope.cu").write_text((copy / "kernels_cu" / "rope.cu").read_text() + "// edited\n")
+    assert bench._sources_sha256(copy) != bench._sources_sha256()
