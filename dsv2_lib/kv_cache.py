@@ -118,8 +118,9 @@ class PagedBatch(_Packed):
 
     @cached_property
     def max_slot(self) -> int:
-        """The largest slot (-1 for none), on the host: found once per step, it lets every layer's cache
-        write refuse a slot outside the pool without reading the device."""
+        """The largest slot (-1 for none), on the host: found once per step, for the cache's check of the
+        step (:meth:`PagedLatentCache.check_fits`) and every layer's cache write, which refuse a slot
+        outside the pool without reading the device."""
         return max(self.slots, default=-1)
 
     @cached_property
@@ -297,5 +298,5 @@ class PagedLatentCache:
                                  f"of {self.block_size}")
             if table and not (min(table) >= 0 and max(table) < self.num_blocks):  # min/max: C loops, per step
                 raise IndexError(f"sequence {i}: block table {table} outside the pool of {self.num_blocks} blocks")
-        if batch.slots and not (min(batch.slots) >= -1 and max(batch.slots) < self.rows.shape[1]):
+        if batch.slots and not (min(batch.slots) >= -1 and batch.max_slot < self.rows.shape[1]):
             raise IndexError(f"a slot is outside the pool's {self.rows.shape[1]} rows")
