@@ -24,7 +24,7 @@ from .cache_write import write_cache_rows
 from .config import ModelConfig
 from .kv_cache import PagedBatch, SequenceBatch, as_paged
 from .mla_decode import _kernel_applies, mla_decode, mla_decode_paged, mla_decode_query_dtype
-from .norm import RMSNorm
+from .norm import RMSNorm, rms_norm
 from .rope import apply_rope_
 from .weights import Linear, upcast
 
@@ -43,6 +43,16 @@ def write_latent_cache(cache: torch.Tensor, batch: SequenceBatch | PagedBatch, r
         return
     keep = batch.slot_mapping >= 0
     cache[batch.slot_mapping[keep]] = rows[keep]
+
+
+def _joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.cat([a, b], dim=-1)``, as a view when ``b`` lies right after ``a`` in the same storage with
+    the same strides (the two halves of one tensor split along its last dimension), else a copy."""
+    if (a.stride() == b.stride() and a.stride(-1) == 1 and a.dtype == b.dtype and a.shape[:-1] == b.shape[:-1]
+            and a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and b.data_ptr() == a.data_ptr() + a.shape[-1] * a.element_size()):
+        return torch.as_strided(a, (*a.shape[:-1], a.shape[-1] + b.shape[-1]), a.stride())
+    return torch.cat([a, b], dim=-1)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
@@ -79,9 +89,14 @@ class MLA(nn.Module):
         return q.view(x.shape[0], self.cfg.num_attention_heads, self.cfg.qk_head_dim)
 
     def project_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [T, H] -> (normalised latent [T, kv_lora_rank], k_pe [T, rope_dim])`` (k_pe not yet rotated)."""
+        """``x [T, H] -> (normalised latent [T, kv_lora_rank], k_pe [T, rope_dim])`` (k_pe not yet rotated).
+
+        Both are views of ``kv_a_proj_with_mqa``'s output ``[T, row_dim]``, the latent normalised in
+        place: once RoPE has rotated ``k_pe`` (in place too), that output is the step's cache rows
+        ``[latent | k_pe]``, written without a copy (``_joined``)."""
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
-        return self.kv_a_layernorm(latent), k_pe
+        norm = self.kv_a_layernorm
+        return rms_norm(latent, norm.weight, norm.eps, in_place=True), k_pe
 
     def split_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv_b_proj.weight`` as ``W_k [h, qk_nope, kv_lora]`` and ``W_v [h, v_head, kv_lora]`` (views)."""
@@ -106,7 +121,7 @@ class MLA(nn.Module):
         streams.join(q_ready, x.device)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         apply_rope_(q_pe, k_pe, positions, rope_cache, batch.last_position)  # in place, on the strided views of q and kv_a's output
-        write_latent_cache(cache, batch, torch.cat([latent, k_pe], dim=-1))
+        write_latent_cache(cache, batch, _joined(latent, k_pe))
         attend = self.decode_attention if batch.decode else self.prefill_attention
         out = attend(q_nope, q_pe, batch, cache)
         return self.o_proj(out.to(x.dtype).flatten(1))
@@ -125,12 +140,7 @@ class MLA(nn.Module):
         """
         c, h = self.cfg, self.cfg.num_attention_heads
         batch, cache = as_paged(batch, cache)
-        if (q_nope.stride() == q_pe.stride() and q_nope.stride(-1) == 1 and q_nope.dtype == q_pe.dtype
-                and q_pe.data_ptr() == q_nope.data_ptr() + q_nope.shape[-1] * q_nope.element_size()):
-            # the two halves of one [T, h, 192] tensor (project_q's split): view it again, copy nothing
-            q = torch.as_strided(q_nope, (*q_nope.shape[:-1], q_nope.shape[-1] + q_pe.shape[-1]), q_nope.stride())
-        else:
-            q = torch.cat([q_nope, q_pe], dim=-1)
+        q = _joined(q_nope, q_pe)  # the two halves of project_q's [T, h, 192]: viewed again, not copied
         rows = cache[batch.packed_context_rows]
         if kernels.use_kernels(q):
             latent, k_pe = rows.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)

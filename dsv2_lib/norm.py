@@ -36,25 +36,44 @@ def fused_add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight
     return rms_norm_reference(residual, weight, eps), residual
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of ``x [..., d]``: the CUDA kernel for CUDA tensors, else the reference."""
-    if not kernels.use_kernels(x):
-        return rms_norm_reference(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, in_place: bool = False) -> torch.Tensor:
+    """RMSNorm of ``x [..., d]``: the CUDA kernel for CUDA tensors, else the reference.
+
+    ``in_place=True`` overwrites ``x`` with the result and returns it: MLA normalises its latent inside
+    the projection's output this way, so that output is the step's cache row without a copy. ``x``'s
+    rows must then be viewable as ``[rows, d]`` with stride 1 along ``d`` (a 2-D slice like
+    ``kv[:, :512]`` is).
+    """
     d = x.shape[-1]
+    if in_place and x.numel() and (x.stride(-1) != 1 or not _rows_view(x)):
+        raise ValueError(f"rms_norm in place: x has strides {x.stride()}; its rows must be viewable as [rows, {d}] "
+                         "with stride 1 along the last dimension")
+    if not kernels.use_kernels(x):
+        y = rms_norm_reference(x, weight, eps)
+        return x.copy_(y) if in_place else y
     if x.numel() == 0:  # no rows, or rows of width 0: nothing to launch
-        return torch.empty_like(x)
+        return x if in_place else torch.empty_like(x)
     kernels.check(weight, "rms_norm weight", dtype=x.dtype, shape=(d,), device=x.device)
     rows = x.reshape(-1, d)  # a view when possible: a 2-D slice like latent = kv[:, :512] keeps its row stride
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     kernels.check(rows, "rms_norm input", contiguous=False)
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    out = rows if in_place else torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     vec = _vectorizable(rows.stride(0), x.dtype) and _use_vectors(d, x.dtype, rows, weight)
     kernel = RMSNORM_CU.function(f"rms_norm<{CUDA_TYPE[x.dtype]}, {str(vec).lower()}>", x.device)
     kernels.launch(kernel, (rows.shape[0],), (_threads(d, x.dtype, vec),),
                    (kernels.ptr(out), kernels.ptr(rows), kernels.ptr(weight), np.int32(d),
-                    np.int64(rows.stride(0)), np.float32(eps)))
-    return out.view(x.shape)
+                    np.int64(rows.stride(0)), np.int64(out.stride(0)), np.float32(eps)))
+    return x if in_place else out.view(x.shape)
+
+
+def _rows_view(x: torch.Tensor) -> bool:
+    """Whether ``x.view(-1, d)`` works (no copy needed), so a kernel writing those rows writes ``x``."""
+    try:
+        x.view(-1, x.shape[-1])
+        return True
+    except RuntimeError:
+        return False
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -29,12 +29,14 @@ __device__ __forceinline__ void scale_cached_row(T* dst, const Vec16<T> (&v)[ROW
     }
 }
 
-// out[r] = rms_norm(x[r]) for r < gridDim.x; rows are `stride` elements apart in x, dense in out.
+// out[r] = rms_norm(x[r]) for r < gridDim.x; rows are `stride` elements apart in x, `out_stride` in out.
+// out may be x itself (in place), so the two are not __restrict__: each thread reads its elements of
+// a row (into registers, or in the first pass) before the block's reduction, and writes only those.
 template <typename T, bool VEC>
-__global__ void rms_norm(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ w,
-                         int dim, long long stride, float eps) {
+__global__ void rms_norm(T* out, const T* x, const T* __restrict__ w, int dim, long long stride,
+                         long long out_stride, float eps) {
     const T* row = x + blockIdx.x * stride;
-    T* dst = out + (long long)blockIdx.x * dim;
+    T* dst = out + blockIdx.x * out_stride;
     if constexpr (VEC) {
         constexpr int N = Vec16<T>::N;
         const int nvec = dim / N;

@@ -1,11 +1,13 @@
 """MLA: decoding on the latent cache with absorbed weights equals decompressed attention."""
 import dataclasses
 
+import pytest
 import torch
 
 from dsv2_lib.config import TINY
 from dsv2_lib.kv_cache import LatentCache, SequenceBatch
-from dsv2_lib.mla import MLA
+from dsv2_lib.mla import MLA, _joined
+from dsv2_lib.norm import rms_norm, rms_norm_reference
 from dsv2_lib.rope import apply_rope_reference_, rope_cos_sin_cache
 from dsv2_lib.weights import default_dtype
 
@@ -59,3 +61,34 @@ def test_prefill_writes_latent_rows_at_each_position():
     torch.testing.assert_close(cache[1, 2:5], rows[:3])
     torch.testing.assert_close(cache[0, :4], rows[3:])
     assert cache[1, :2].abs().sum() == 0 and cache[1, 5:].abs().sum() == 0 and cache[0, 4:].abs().sum() == 0
+
+
+def test_project_latent_normalises_inside_the_projection_output():
+    """latent and k_pe are views of kv_a's output, so [latent | k_pe] is the cache row with no copy."""
+    mla = random_mla(TINY)
+    x = torch.randn(5, TINY.hidden_size, dtype=torch.float64)
+    latent, k_pe = mla.project_latent(x)
+    kv = mla.kv_a_proj_with_mqa(x)
+    assert torch.equal(latent, rms_norm_reference(kv[:, :TINY.kv_lora_rank], mla.kv_a_layernorm.weight, 1e-6))
+    assert torch.equal(k_pe, kv[:, TINY.kv_lora_rank:])
+    rows = _joined(latent, k_pe)
+    assert rows.data_ptr() == latent.data_ptr() and torch.equal(rows, torch.cat([latent, k_pe], dim=-1))
+
+
+def test_joined_views_adjacent_halves_and_copies_anything_else():
+    t = torch.arange(24.0).view(4, 6)
+    a, b = t.split([4, 2], dim=-1)
+    assert _joined(a, b).data_ptr() == t.data_ptr() and torch.equal(_joined(a, b), t)
+    for x, y in ((b, a), (a, torch.ones(4, 2)), (t[:, :2], t[:, 3:])):  # reversed, another tensor, a gap
+        out = _joined(x, y)
+        assert torch.equal(out, torch.cat([x, y], dim=-1)) and out.data_ptr() not in (t.data_ptr(), x.data_ptr())
+
+
+def test_rms_norm_in_place_reference_and_refusal():
+    kv = torch.randn(3, 10)
+    w = torch.randn(8)
+    want = rms_norm_reference(kv[:, :8], w, 1e-6)
+    latent = kv[:, :8]
+    assert rms_norm(latent, w, 1e-6, in_place=True) is latent and torch.equal(kv[:, :8], want)
+    with pytest.raises(ValueError, match=r"rows must be viewable as \[rows, 3\]"):
+        rms_norm(torch.randn(3, 4).t(), torch.ones(3), 1e-6, in_place=True)

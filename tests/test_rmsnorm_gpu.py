@@ -46,6 +46,22 @@ def test_rms_norm_on_a_strided_slice(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset,width", [(0, 576), (1, 577), (0, 40064)])  # vectors; misaligned; too wide to cache
+def test_rms_norm_in_place_on_a_strided_slice(dtype, offset, width):
+    """MLA's latent is normalised inside kv [T, 576]: its rows are overwritten, the other columns untouched
+    (offset 1 starts the rows off a 16-byte boundary: the element variant; 40,000 wide: the two-pass one)."""
+    d = width - 64 - offset
+    kv = torch.randn(37, width, device="cuda", dtype=dtype) * 3
+    w = (1 + 0.5 * torch.randn(d, device="cuda")).to(dtype)
+    before = kv.clone()
+    latent = kv[:, offset: offset + d]
+    want = rms_norm_reference(latent, w, 1e-6)
+    assert rms_norm(latent, w, 1e-6, in_place=True) is latent
+    assert close(latent, want, dtype)
+    assert torch.equal(kv[:, :offset], before[:, :offset]) and torch.equal(kv[:, offset + d:], before[:, offset + d:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fused_add_rms_norm_matches_reference(shape, dtype):
     x = torch.randn(shape, device="cuda", dtype=dtype)
