@@ -24,6 +24,7 @@ from .cache_write import write_cache_rows
 from .config import ModelConfig
 from .kv_cache import PagedBatch, SequenceBatch, as_paged
 from .mla_decode import _kernel_applies, mla_decode, mla_decode_paged, mla_decode_query_dtype
+from .mla_absorb import absorbed_output, absorbed_query
 from .norm import RMSNorm, rms_norm
 from .rope import apply_rope_
 from .weights import Linear, upcast
@@ -167,7 +168,9 @@ class MLA(nn.Module):
         ``q_lat = W_kᵀ q_nope [T, h, kv_lora]``; scores against each cached row ``[latent | k_pe]``
         are ``q_lat · latent + q_pe · k_pe`` (:func:`~dsv2_lib.mla_decode.mla_decode`: the kernel for
         CUDA tensors, else the fp32 reference); the softmax-weighted sum of latents is mapped to each
-        head's value space by ``W_v`` once at the end. Token ``i`` of a sequence at ``start`` attends
+        head's value space by ``W_v`` once at the end. The two absorbed products are
+        :func:`~dsv2_lib.mla_absorb.absorbed_query` and :func:`~dsv2_lib.mla_absorb.absorbed_output`
+        (einsums, or for a few tokens one kernel each: chapter 14). Token ``i`` of a sequence at ``start`` attends
         over its first ``start + i + 1`` rows. CUDA tensors (16-bit, a compiled shape): chapter 13's paged
         kernel (:func:`~dsv2_lib.mla_decode.mla_decode_paged`) reads the rows through ``batch.block_table``
         where they lie. Otherwise ``mla_decode`` takes rows as ``[entries, length, row_dim]``: when every
@@ -180,7 +183,7 @@ class MLA(nn.Module):
         lengths, bound = batch.attention_lengths()  # host ints; or, in a CUDA graph, a device tensor and a bound
         if kernels.use_kernels(cache) and _kernel_applies(cache, c.kv_lora_rank):
             dtype = cache.dtype
-            query = self._absorbed_query(q_nope, q_pe, w_k, dtype)
+            query = absorbed_query(q_nope, q_pe, w_k, dtype)
             table = batch.block_table  # [num_seqs, max_blocks]: one entry per sequence
             if any(n != 1 for n in batch.lens):  # several tokens of a sequence: one table row per token
                 seq_of_token = [i for i, n in enumerate(batch.lens) for _ in range(n)]
@@ -196,13 +199,7 @@ class MLA(nn.Module):
             else:
                 rows, entries = cache[batch.context_rows], range(len(batch.lens))  # [num_seqs, max_context, row_dim]
             dtype = mla_decode_query_dtype(rows, c.kv_lora_rank)  # the model dtype on the kernel path, else fp32
-            query = self._absorbed_query(q_nope, q_pe, w_k, dtype)
+            query = absorbed_query(q_nope, q_pe, w_k, dtype)
             slots = tuple(e for e, n in zip(entries, batch.lens) for _ in range(n))
             out_lat = mla_decode(query, rows, slots, lengths, c.softmax_scale, c.kv_lora_rank)  # [T, h, kv_lora] fp32
-        return torch.einsum("thc,hvc->thv", out_lat.to(dtype), w_v.to(dtype))
-
-    @staticmethod
-    def _absorbed_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``[W_kᵀ q_nope | q_pe]`` in ``dtype``: ``[T, h, row_dim]``, one dot product per cached row."""
-        q_lat = torch.einsum("thn,hnc->thc", q_nope.to(dtype), w_k.to(dtype))
-        return torch.cat([q_lat, q_pe.to(dtype)], dim=-1)
+        return absorbed_output(out_lat, w_v, dtype)

@@ -16,8 +16,9 @@ and ``moe_experts`` dispatch to the CUDA kernels of ``kernels_cu/moe.cu`` for CU
 * combine: the weighted sum back to token order, in a fixed order (deterministic), plus the shared
   experts' output.
 
-The GEMV regime has two kernels (``GEMV_KERNEL``): ``"per_choice"`` (default), one block row per
-(token, choice), so an expert chosen by several tokens is read once per choice; and ``"grouped"``:
+The GEMV regime has two kernels (``GEMV_KERNEL``): ``"per_choice"`` (default), whose gate|up launch has
+one block row per (token, choice) and whose down launch one per token, each block over all of its
+token's choices, so an expert chosen by several tokens is read once per choice; and ``"grouped"``:
 the choices grouped by expert into work items of up to ``GEMV_TB`` tokens, so every selected expert's
 weights are read once, the shared experts as more work items of the same launches, and the whole
 layer for a few tokens as ``moe_decode`` (router GEMM, one router+items kernel, gate|up GEMV, down
@@ -63,7 +64,9 @@ TILE_M = 64                  # rows per tile of our grouped GEMM (BM in moe.cu)
 SKINNY_ROWS = 8              # sorted rows (tokens) per tile of the skinny GEMM (moe.cu)
 SKINNY_WARPS = 4             # warps per block of the skinny GEMM, 16 output columns each (moe.cu)
 GEMM_N = {"gate_up": 64, "down": 128}  # output columns per block (BN/2 and BN in moe.cu)
-GEMV_ROWS = 16               # output columns per GEMV block (moe.cu)
+GEMV_THREADS = 128           # threads per block of the per-choice GEMV kernels and moe_route_few (moe.cu)
+GATE_UP_COLS = 2             # output columns per warp of the per-choice gate|up GEMV (moe.cu)
+DOWN_COLS = 4                # output columns per block of the down GEMV + combine, all of a token's choices (moe.cu)
 MAX_EXPERTS = 256            # 32 lanes x ROUTER_PER_LANE (moe.cu); also bounds moe_align's shared memory
 MAX_TOPK = 32                # one lane per pick in the router
 COMBINE_THREADS = 64         # threads per block of moe_combine (16 bytes of columns each)
@@ -293,7 +296,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
         kernels.check(shared, "moe_experts shared", dtype=x.dtype, shape=(t, h), device=x.device)
     if i2 % 2 or not 0 < k <= e:
         raise ValueError(f"moe_experts: gate_up_proj [E, 2I, H] with 0 < k <= E, got {list(gate_up_proj.shape)}, k={k}")
-    if e > MAX_EXPERTS or h % 8 or i % 8 or h * 4 > 48 * 1024 or i * 4 > 48 * 1024 \
+    if e > MAX_EXPERTS or h % 8 or i % 8 \
             or not kernels.aligned16(x, gate_up_proj, down_proj) or (shared is not None and not kernels.aligned16(shared)) \
             or (x.dtype == torch.float32 and t > FP32_GEMV_MAX_TOKENS):
         return reference()
@@ -321,9 +324,9 @@ def gemv_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, ids: torch.Tensor,
     (e, i2, h), (t, k) = gate_up_proj.shape, ids.shape
     hid = torch.empty(t * k, i2 // 2, dtype=x.dtype, device=x.device) if out is None else out
     kernels.launch(MOE_CU.function(f"moe_gemv_gate_up<{CUDA_TYPE[x.dtype]}>", x.device),
-                   (t * k, -(-(i2 // 2) // GEMV_ROWS)), (256,),
+                   (t * k, -(-(i2 // 2) // (GEMV_THREADS // 32 * GATE_UP_COLS))), (GEMV_THREADS,),
                    (kernels.ptr(hid), kernels.ptr(x), kernels.ptr(gate_up_proj), kernels.ptr(ids), np.int32(k), np.int32(e),
-                    np.int32(h), np.int32(i2 // 2)), shared_mem=4 * h)
+                    np.int32(h), np.int32(i2 // 2)))
     return hid
 
 
@@ -332,21 +335,17 @@ def gemv_down_combine(hid: torch.Tensor, down_proj: torch.Tensor, ids: torch.Ten
     """``out [T, H]`` (``moe_gemv_down_combine``, inputs already checked): each choice's down projection
     ``hid[c] W_d^T`` (fp32, rounded once; an id outside ``[0, E)`` is dropped), and in the same launch the
     combine: the weighted sum of a token's choices in pick order, plus the shared experts: ``shared``,
-    or with ``shared_down [H, P·I]`` the down projections of ``hid``'s P shared rows per token, summed
-    in fp32 and rounded once, as the shared MLP's down projection. The last block of a (token, column
-    slab) to finish does that slab's sum; the blocks count themselves in a per-device buffer of
-    counters that the last one leaves at zero (:func:`_arrival_counters`)."""
+    or with ``shared_down [H, P·I]`` the down projections of ``hid``'s P shared rows per token (rows
+    ``T·k + t·P + p``), summed in fp32 and rounded once, as the shared MLP's down projection. One block
+    per (token, ``DOWN_COLS`` columns) computes every choice of its token, so it combines them itself."""
     (e, h, i), (t, k) = down_proj.shape, ids.shape
     parts = 0 if shared_down is None else shared_down.shape[1] // i
-    slabs = -(-h // GEMV_ROWS)
-    y = torch.empty(t * k, h, dtype=hid.dtype, device=hid.device)
-    y_shared = torch.empty(t * parts, h, dtype=torch.float32, device=hid.device)
     out = torch.empty(t, h, dtype=hid.dtype, device=hid.device)
-    kernels.launch(MOE_CU.function(f"moe_gemv_down_combine<{CUDA_TYPE[hid.dtype]}>", hid.device), (t * (k + parts), slabs),
-                   (256,), (kernels.ptr(out), kernels.ptr(y), kernels.ptr(y_shared), kernels.ptr(hid), kernels.ptr(down_proj),
-                            kernels.ptr(ids), kernels.ptr(weights), _ptr_or_null(shared), _ptr_or_null(shared_down),
-                            kernels.ptr(_arrival_counters(t * slabs, hid.device)), np.int32(k), np.int32(e), np.int32(h),
-                            np.int32(i), np.int32(parts)), shared_mem=4 * i)
+    kernels.launch(MOE_CU.function(f"moe_gemv_down_combine<{CUDA_TYPE[hid.dtype]}>", hid.device), (t, -(-h // DOWN_COLS)),
+                   (GEMV_THREADS,), (kernels.ptr(out), kernels.ptr(hid), kernels.ptr(down_proj), kernels.ptr(ids),
+                                     kernels.ptr(weights), _ptr_or_null(shared), _ptr_or_null(shared_down), np.int32(k),
+                                     np.int32(e), np.int32(h), np.int32(i), np.int32(parts)),
+                   shared_mem=(k + parts) * DOWN_COLS * 4)
     return out
 
 
@@ -362,7 +361,7 @@ def _arrival_counters(n: int, device: torch.device) -> torch.Tensor:
     buf = _COUNTERS.get(device.index)
     if buf is None or buf.numel() < n:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"moe: {n} GEMV arrival counters are needed during a CUDA-graph capture; "
+            raise RuntimeError(f"moe: {n} router arrival counters are needed during a CUDA-graph capture; "
                                "run the step once eagerly before capturing it")
         if buf is not None:
             _RETIRED.append(buf)
@@ -530,11 +529,11 @@ def _few_applies(x: torch.Tensor, cfg: ModelConfig, gate_w: torch.Tensor, gate_u
                  down_proj: torch.Tensor, shared_w: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
     """Whether ``MoE.forward`` hands ``x`` to :func:`moe_few`: the per-choice GEMV selected, few tokens
     (``_few_tokens``), an fp32 router weight ``[E, H]``, and routed and shared weights the GEMV kernels
-    take (x's dtype, contiguous, 16-byte aligned, rows that fit the staging buffer, the shared MLP's
-    intermediate a whole number of expert widths, or no shared experts)."""
+    take (x's dtype, contiguous, 16-byte aligned, the shared MLP's intermediate a whole number of
+    expert widths, or no shared experts)."""
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     weights = [gate_up_proj, down_proj, *(shared_w or ())]
-    ok = GEMV_KERNEL == "per_choice" and _few_tokens(x, cfg) and h * 4 <= 48 * 1024 and i * 4 <= 48 * 1024 \
+    ok = GEMV_KERNEL == "per_choice" and _few_tokens(x, cfg) \
         and gate_w.dtype == torch.float32 and gate_w.shape == (cfg.n_routed_experts, h) and gate_w.is_contiguous() \
         and all(w.dtype == x.dtype and w.is_contiguous() for w in weights) and kernels.aligned16(gate_w, *weights)
     if ok and shared_w is not None:
@@ -558,12 +557,12 @@ def route_few(x: torch.Tensor, gate_w: torch.Tensor, cfg: ModelConfig, shared_ga
     ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
     logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
     hid = torch.empty(t * (k + parts), i, dtype=x.dtype, device=x.device)
-    blocks = t * -(-e // 8) + t * parts * -(-i // GEMV_ROWS)
-    kernels.launch(MOE_CU.function(f"moe_route_few<{CUDA_TYPE[x.dtype]}>", x.device), (blocks,), (256,),
+    blocks = t * -(-e // (GEMV_THREADS // 32)) + t * parts * -(-i // (GEMV_THREADS // 32 * GATE_UP_COLS))
+    kernels.launch(MOE_CU.function(f"moe_route_few<{CUDA_TYPE[x.dtype]}>", x.device), (blocks,), (GEMV_THREADS,),
                    (kernels.ptr(weights), kernels.ptr(ids), kernels.ptr(logits), kernels.ptr(x), kernels.ptr(gate_w),
                     np.int32(t), np.int32(e), np.int32(h), np.int32(k), *_router_args(cfg),
                     kernels.ptr(_arrival_counters(t, x.device)), kernels.ptr(hid), _ptr_or_null(shared_gate_up),
-                    np.int32(i), np.int32(parts)), shared_mem=4 * h)
+                    np.int32(i), np.int32(parts)))
     return weights, ids, logits, hid
 
 

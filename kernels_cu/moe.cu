@@ -387,52 +387,80 @@ moe_gemm(T* __restrict__ out, const T* __restrict__ a_src, const T* __restrict__
 }
 
 // ------------------------------------------------------------------------------------------------
-// GEMV path (a few tokens). blockIdx.x = choice c = t*k + j (expert ids[c]) or, in the down launch, past
-// the T*k routed choices, a part of token t's shared experts (see moe_route_few), blockIdx.y = a slab of
-// GEMV_ROWS = 16 output columns; 8 warps, 2 columns per warp. The block keeps its input row (x[t] or
-// h[c]) in shared memory as fp32; each warp streams its weight rows with 16-byte loads (lane l reads
-// vectors l, l+32, ...), reduces with shuffles, lane 0 writes. So the 6 selected experts' weights are
-// spread over (T*k) x (I/16) or (T*k) x (H/16) blocks, i.e. over every SM of the GPU.
-// Dynamic shared memory: width * 4 bytes.
+// GEMV path (a few tokens). Gate|up: blockIdx.x = choice c = t*k + j (expert ids[c]), blockIdx.y = a slab
+// of GEMV_WARPS * GATE_UP_COLS output columns; moe_route_few's shared blocks the same over the shared
+// experts. Down (moe_gemv_down_combine): one block per (token, DOWN_COLS columns), all of the token's
+// choices. 4 warps a block. Each warp streams two weight rows at a time with 16-byte loads (lane l
+// reads vectors l, l+32, ...) and the input row (x[t] or h[c], a few KB that every block reads, so
+// from L2) the same way, reduces with shuffles, lane 0 writes. So the selected experts' weights are
+// spread over thousands of blocks, i.e. over every SM of the GPU.
+// What sets the time is how many trips to memory a warp makes one after another, and how many warps
+// an SM holds to cover them: dot2 issues all the loads of a row pair (VECS vectors per lane and row)
+// before using any, and VECS trades those trips against registers. Measured on the H200 (V2-Lite,
+// batch 1; the GPU time of one launch): gate|up 18.7 us for 69 MB (VECS = 4: two trips of K = 2048;
+// 8 vectors took 20.9 us, the registers leaving fewer warps per SM); down with the combine 14.4 us
+// (VECS = 3, 4 columns a block; VECS = 6 17.4 us). The earlier form, 8 warps with the input row
+// staged in shared memory as fp32 (lane l's values 32 bytes from lane l+1's: 8-way bank conflicts)
+// and 4 loads in flight per row, took 23.2 us for the gate|up loop alone, and its down launch 20.7 us
+// in the decode step's profile.
 // ------------------------------------------------------------------------------------------------
-constexpr int GEMV_THREADS = 256, GEMV_COLS_PER_WARP = 2, GEMV_ROWS = (GEMV_THREADS / 32) * GEMV_COLS_PER_WARP;
+constexpr int GEMV_WARPS = 4, GEMV_THREADS = 32 * GEMV_WARPS;
+constexpr int GATE_UP_COLS = 2;  // gate|up columns per warp (a gate row and an up row each), one after the other
+constexpr int DOWN_COLS = 4;     // down columns per block, two at a time per warp (keep both in sync with moe.py)
+constexpr int GATE_UP_VECS = 4, DOWN_VECS = 3;  // VECS of dot2: K = 2048 in two trips, K = 1408 in two
 
-// (s0, s1) = (w0 . xs, w1 . xs) over K (a multiple of the vector width), summed over the warp: both
-// rows stream in one loop, unrolled so that each lane keeps up to 8 16-byte loads in flight.
-template <typename T>
-__device__ __forceinline__ void dot2(const T* __restrict__ w0, const T* __restrict__ w1, const float* __restrict__ xs,
+// (s0, s1) = (w0 . x, w1 . x) over K (a multiple of the vector width), summed over the warp. Lane l
+// takes the vectors l, l + 32, ... of both weight rows and of x, VECS of each at a time, all loaded
+// before the first is used. Each lane adds its products in vector order, so the sums do not depend
+// on VECS.
+template <int VECS, typename T>
+__device__ __forceinline__ void dot2(const T* __restrict__ w0, const T* __restrict__ w1, const T* __restrict__ x,
                                      int K, int lane, float& s0, float& s1) {
     constexpr int N = Vec16<T>::N;
+    const int nv = K / N;
     float a0 = 0.f, a1 = 0.f;
-#pragma unroll 4
-    for (int v = lane; v < K / N; v += 32) {
-        const Vec16<T> u0 = load16(w0 + v * N), u1 = load16(w1 + v * N);
+    for (int v0 = lane; v0 < nv; v0 += 32 * VECS) {
+        Vec16<T> u0[VECS], u1[VECS], xv[VECS];
 #pragma unroll
-        for (int j = 0; j < N; ++j) {
-            const float xv = xs[v * N + j];
-            a0 = fmaf(to_float(u0.v[j]), xv, a0);
-            a1 = fmaf(to_float(u1.v[j]), xv, a1);
+        for (int i = 0; i < VECS; ++i) {
+            const int v = v0 + 32 * i;
+            if (v < nv) {
+                u0[i] = load16(w0 + v * N);
+                u1[i] = load16(w1 + v * N);
+                xv[i] = load16(x + v * N);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < VECS; ++i) {
+            if (v0 + 32 * i < nv) {
+#pragma unroll
+                for (int j = 0; j < N; ++j) {
+                    const float xj = to_float(xv[i].v[j]);
+                    a0 = fmaf(to_float(u0[i].v[j]), xj, a0);
+                    a1 = fmaf(to_float(u1[i].v[j]), xj, a1);
+                }
+            }
         }
     }
     s0 = warp_sum(a0);
     s1 = warp_sum(a1);
 }
 
-// The gate|up columns of one block: h_row[n] = round(silu(round(xs . gate[n])) * round(xs . up[n])) for
-// the slab's GEMV_ROWS columns n (two per warp); row n of the gate and up matrices starts at
+// The gate|up columns of one block: h_row[n] = round(silu(round(x . gate[n])) * round(x . up[n])) for
+// the slab's GEMV_WARPS * COLS columns n (COLS per warp); row n of the gate and up matrices starts at
 // gate_rows + n * H and up_rows + n * H. valid = false writes zeros without reading any weight.
-template <typename T>
-__device__ __forceinline__ void gate_up_columns(T* __restrict__ h_row, const float* __restrict__ xs,
+template <int COLS, int VECS, typename T>
+__device__ __forceinline__ void gate_up_columns(T* __restrict__ h_row, const T* __restrict__ x,
                                                 const T* __restrict__ gate_rows, const T* __restrict__ up_rows,
                                                 bool valid, int H, int I, int slab, int warp, int lane) {
-#pragma unroll
-    for (int r = 0; r < GEMV_COLS_PER_WARP; ++r) {
-        const int n = slab * GEMV_ROWS + warp * GEMV_COLS_PER_WARP + r;
+#pragma unroll 1
+    for (int r = 0; r < COLS; ++r) {
+        const int n = (slab * COLS + r) * GEMV_WARPS + warp;
         if (n >= I) break;  // uniform over the warp
         float out = 0.f;
         if (valid) {
             float gate, up;
-            dot2(gate_rows + (long long)n * H, up_rows + (long long)n * H, xs, H, lane, gate, up);
+            dot2<VECS>(gate_rows + (long long)n * H, up_rows + (long long)n * H, x, H, lane, gate, up);
             out = silu_mul(round_to<T>(gate), round_to<T>(up));
         }
         if (lane == 0) h_row[n] = from_float<T>(out);
@@ -440,54 +468,47 @@ __device__ __forceinline__ void gate_up_columns(T* __restrict__ h_row, const flo
 }
 
 // h[c, n] for choice c = t*topk + j of expert ids[c] (zeros for an id outside [0, E)): block (c, slab).
-template <typename T>
+template <typename T, int COLS = GATE_UP_COLS, int VECS = GATE_UP_VECS>
 __global__ void __launch_bounds__(GEMV_THREADS)
 moe_gemv_gate_up(T* __restrict__ h, const T* __restrict__ x, const T* __restrict__ w_all, const long long* __restrict__ ids,
                  int topk, int E, int H, int I) {
-    extern __shared__ float xs[];
     const int c = blockIdx.x;
-    const T* xr = x + (long long)(c / topk) * H;
-    for (int i = threadIdx.x; i < H; i += blockDim.x) xs[i] = to_float(xr[i]);
-    __syncthreads();
     const long long e = ids[c];
     const bool valid = e >= 0 && e < E;
     const T* gate_rows = w_all + (valid ? e : 0) * 2LL * I * H;
-    gate_up_columns(h + (long long)c * I, xs, gate_rows, gate_rows + (long long)I * H, valid, H, I, blockIdx.y,
+    gate_up_columns<COLS, VECS>(h + (long long)c * I, x + (long long)(c / topk) * H, gate_rows, gate_rows + (long long)I * H, valid, H, I, blockIdx.y,
                     threadIdx.x >> 5, threadIdx.x & 31);
 }
 
 // The router of a few tokens in one launch, with the shared experts' gate|up beside it (it does not
 // depend on the routing, so it streams its weights while the router works).
-// Blocks [0, T*RB), RB = ceil(E / 8): block (t, r) computes logits[t, e] = x[t] . gate_w[e] in fp32 for
-// its 8 experts e = 8r + warp (gate_w [E, H] fp32; each lane sums its strided share, then the warp),
+// Blocks [0, T*RB), RB = ceil(E / GEMV_WARPS): block (t, r) computes logits[t, e] = x[t] . gate_w[e] in fp32 for
+// its GEMV_WARPS experts e = GEMV_WARPS * r + warp (gate_w [E, H] fp32; each lane sums its strided share, then the warp),
 // then counts itself on arrivals[t]; the last of token t's RB blocks resets the counter, reads the row
 // back through L2 into shared memory and routes it with route_token (topk_softmax's rule: the picks
 // are those topk_softmax gives on these logits, bit for bit), writing weights[t, :k], ids[t, :k].
 // Blocks [T*RB, T*RB + T*P*slabs), P > 0: block (s = t*P + p, slab) computes row T*topk + s of h, part
 // p of token t's shared experts (sh_gate_up = the shared MLP's [2*P*I, H] weight: P*I gate rows, then
 // P*I up rows; part p = the intermediate columns [p*I, (p+1)*I), gate row p*I + n, up row (P + p)*I + n),
-// the rows moe_gemv_down_combine reads as the shared choices. Dynamic shared memory: H * 4 bytes.
+// the rows moe_gemv_down_combine reads as the shared choices.
 template <typename T>
 __global__ void __launch_bounds__(GEMV_THREADS)
 moe_route_few(float* __restrict__ weights, long long* __restrict__ ids, float* __restrict__ logits,
               const T* __restrict__ x, const float* __restrict__ gate_w, int T_, int E, int H, int topk, int n_group,
               int topk_group, int renorm, float scale, unsigned* __restrict__ arrivals, T* __restrict__ h,
               const T* __restrict__ sh_gate_up, int I, int P) {
-    extern __shared__ float xs[];
     __shared__ float row[32 * ROUTER_PER_LANE];
     __shared__ bool last;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rb = (E + 7) / 8;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rb = (E + GEMV_WARPS - 1) / GEMV_WARPS;
     if (blockIdx.x >= T_ * rb) {  // the shared experts' gate|up
-        const int slabs = (I + GEMV_ROWS - 1) / GEMV_ROWS, b = blockIdx.x - T_ * rb, s = b / slabs;
+        constexpr int BC = GEMV_WARPS * GATE_UP_COLS;
+        const int slabs = (I + BC - 1) / BC, b = blockIdx.x - T_ * rb, s = b / slabs;
         const int t = s / P, p = s % P;
-        const T* xr = x + (long long)t * H;
-        for (int i = threadIdx.x; i < H; i += blockDim.x) xs[i] = to_float(xr[i]);
-        __syncthreads();
-        gate_up_columns(h + ((long long)T_ * topk + s) * I, xs, sh_gate_up + (long long)p * I * H,
+        gate_up_columns<GATE_UP_COLS, GATE_UP_VECS>(h + ((long long)T_ * topk + s) * I, x + (long long)t * H, sh_gate_up + (long long)p * I * H,
                         sh_gate_up + (long long)(P + p) * I * H, true, H, I, b % slabs, warp, lane);
         return;
     }
-    const int t = blockIdx.x / rb, e = (blockIdx.x % rb) * 8 + warp;
+    const int t = blockIdx.x / rb, e = (blockIdx.x % rb) * GEMV_WARPS + warp;
     if (e < E) {
         constexpr int N = Vec16<T>::N;  // 16 bytes of x: N values, N fp32 weights (N % 4 == 0)
         const T* xr = x + (long long)t * H;
@@ -526,87 +547,72 @@ moe_route_few(float* __restrict__ weights, long long* __restrict__ ids, float* _
                     topk_group, renorm, scale, lane);
 }
 
-// Down projection and combine in one launch. Block (c, slab): y[c, n] = round(h[c] . W_down[n]) for
-// the slab's GEMV_ROWS columns (two per warp), then a count of the blocks done with (token, slab):
-// the last of token t's topk + P blocks to finish that slab sums the routed choices in pick order j =
-// 0 .. topk-1 for those columns, exactly as moe_combine does (products rounded before the add, the sum
-// rounded to T; choices with ids outside [0, E) dropped), adds the shared experts in T, and writes
-// out[t]. The shared experts are either `shared` [T, H] (their MLP's output) or, with P > 0, the
-// blocks c = T*topk + t*P + p: part p's down product over the shared down weight's columns [p*I,
-// (p+1)*I) (sh_down [H, P*I]) goes to y_sh in fp32, and the last block adds round(sum over p) — the
-// MLP's down projection summed in fp32 and rounded once. The order of every sum is fixed, whichever
-// block comes last, so the result is the same on every run.
-// Protocol: each writing lane fences (__threadfence) after its y columns, __syncthreads, then one
-// thread counts the block with atomicAdd on arrivals[t * slabs + slab]; the last block resets
-// the counter to 0 (ready for the next launch or graph replay), fences, and reads the other blocks'
-// y through L2 (__ldcg: L1 is not coherent across SMs). Launches sharing `arrivals` must not overlap.
-template <typename T>
+// Down projection and combine in one launch. Block (t, slab): the slab's COLS columns n of out[t].
+// Warp w computes, for the choices j = w, w + GEMV_WARPS, ... of token t, y[j, n] = h[row j] . W_j[n]
+// (two columns per dot2) into shared memory: j < topk is pick j (expert ids[t, j], h row t*topk + j,
+// rounded to T as a stored GEMM output would be); with P > 0, j = topk + p is part p of the shared
+// experts (h row T*topk + t*P + p, written by moe_route_few; the shared down weight's columns [p*I,
+// (p+1)*I) of sh_down [H, P*I]; kept in fp32). Then thread i < COLS sums column n = slab*COLS + i
+// exactly as moe_combine does: the picks in order j = 0 .. topk-1, products rounded before the add,
+// the sum rounded to T (ids outside [0, E) dropped), plus the shared experts in T: round(sum over p)
+// (the MLP's down projection summed in fp32 and rounded once), or `shared` [T, H] (their MLP's output).
+// A token's choices meet in one block, so the combine needs a barrier, not a count of blocks across
+// the GPU: the earlier form (one block per choice, the last of a slab's blocks to finish combining,
+// found with __threadfence and atomicAdd) took 23.3 us at one token with 6 vectors in flight per row;
+// this form 16.9 us with 6, 14.4 us with 3.
+// Dynamic shared memory: (topk + P) * COLS floats.
+template <typename T, int COLS = DOWN_COLS, int VECS = DOWN_VECS>
 __global__ void __launch_bounds__(GEMV_THREADS)
-moe_gemv_down_combine(T* __restrict__ out, T* __restrict__ y, float* __restrict__ y_sh, const T* __restrict__ h,
-                      const T* __restrict__ w_all, const long long* __restrict__ ids, const float* __restrict__ weights,
-                      const T* __restrict__ shared, const T* __restrict__ sh_down, unsigned* __restrict__ arrivals,
-                      int topk, int E, int H, int I, int P) {
-    static_assert(GEMV_COLS_PER_WARP == 2, "one dot2 per warp");
-    extern __shared__ float hs[];
-    __shared__ bool last;
-    const int c = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int routed = gridDim.x / (topk + P) * topk;  // T * topk
-    const bool is_shared = c >= routed;
-    const long long t = is_shared ? (c - routed) / P : c / topk;
-    const T* W = nullptr;  // row n of the block's down matrix: W + n * stride (I contiguous values)
-    long long stride = I;
-    if (is_shared) {
-        W = sh_down + (long long)((c - routed) % P) * I;
-        stride = (long long)P * I;
-    } else if (ids[c] >= 0 && ids[c] < E) {
-        W = w_all + ids[c] * (long long)H * I;
-    }
-    const T* hr = h + (long long)c * I;
-    for (int i = threadIdx.x; i < I; i += blockDim.x) hs[i] = to_float(hr[i]);
-    __syncthreads();
-    const int n0 = blockIdx.y * GEMV_ROWS + warp * GEMV_COLS_PER_WARP;
-    if (n0 < H) {  // warps past the edge skip to the barrier below
-        const int n1 = n0 + 1 < H ? n0 + 1 : n0;  // past the edge: read row n0 twice, write it once
-        float s0 = 0.f, s1 = 0.f;
-        if (W) dot2(W + n0 * stride, W + n1 * stride, hs, I, lane, s0, s1);
-        if (lane == 0) {
-            if (is_shared) {
-                y_sh[(long long)(c - routed) * H + n0] = s0;
-                if (n1 != n0) y_sh[(long long)(c - routed) * H + n1] = s1;
-            } else {
-                y[(long long)c * H + n0] = from_float<T>(s0);
-                if (n1 != n0) y[(long long)c * H + n1] = from_float<T>(s1);
+moe_gemv_down_combine(T* __restrict__ out, const T* __restrict__ h, const T* __restrict__ w_all,
+                      const long long* __restrict__ ids, const float* __restrict__ weights, const T* __restrict__ shared,
+                      const T* __restrict__ sh_down, int topk, int E, int H, int I, int P) {
+    static_assert(COLS % 2 == 0 && COLS <= GEMV_THREADS, "column pairs; one combining thread per column");
+    extern __shared__ float ys[];  // [topk + P][COLS]
+    const int t = blockIdx.x, T_ = gridDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n_first = blockIdx.y * COLS;
+    for (int j = warp; j < topk + P; j += GEMV_WARPS) {
+        const T* W = nullptr;  // row n of choice j's down matrix: W + n * stride (I contiguous values)
+        long long stride = I, row;
+        if (j < topk) {
+            const long long e = ids[(long long)t * topk + j];
+            if (e >= 0 && e < E) W = w_all + e * H * I;
+            row = (long long)t * topk + j;
+        } else {
+            W = sh_down + (long long)(j - topk) * I;
+            stride = (long long)P * I;
+            row = (long long)T_ * topk + (long long)t * P + (j - topk);
+        }
+#pragma unroll 1
+        for (int r = 0; r < COLS; r += 2) {
+            const int n0 = n_first + r;
+            if (n0 >= H) break;  // uniform over the warp
+            const int n1 = n0 + 1 < H ? n0 + 1 : n0;  // past the edge: read row n0 twice
+            float s0 = 0.f, s1 = 0.f;
+            if (W) dot2<VECS>(W + n0 * stride, W + n1 * stride, h + row * I, I, lane, s0, s1);
+            if (lane == 0) {
+                ys[j * COLS + r] = j < topk ? round_to<T>(s0) : s0;
+                ys[j * COLS + r + 1] = j < topk ? round_to<T>(s1) : s1;
             }
-            __threadfence();  // this warp's columns visible GPU-wide before the block counts itself
         }
     }
     __syncthreads();
-    unsigned* count = arrivals + t * gridDim.y + blockIdx.y;
-    if (threadIdx.x == 0) {
-        __threadfence();
-        last = atomicAdd(count, 1u) == (unsigned)(topk + P) - 1;
-        if (last) *count = 0u;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const int n = blockIdx.y * GEMV_ROWS + threadIdx.x;
-    if (threadIdx.x >= GEMV_ROWS || n >= H) return;
+    const int n = n_first + threadIdx.x;
+    if (threadIdx.x >= COLS || n >= H) return;
     float acc = 0.f;
     for (int j = 0; j < topk; ++j) {
-        const long long cj = t * topk + j;
+        const long long cj = (long long)t * topk + j;
         if (!(ids[cj] >= 0 && ids[cj] < E)) continue;
-        acc = __fadd_rn(acc, __fmul_rn(weights[cj], to_float(__ldcg(y + cj * H + n))));
+        acc = __fadd_rn(acc, __fmul_rn(weights[cj], ys[j * COLS + threadIdx.x]));
     }
     float v = round_to<T>(acc);
     if (P) {
         float s = 0.f;
-        for (int p = 0; p < P; ++p) s += __ldcg(y_sh + (t * P + p) * H + n);
+        for (int p = 0; p < P; ++p) s += ys[(topk + p) * COLS + threadIdx.x];
         v = v + round_to<T>(s);
     } else if (shared) {
-        v = v + to_float(shared[t * H + n]);
+        v = v + to_float(shared[(long long)t * H + n]);
     }
-    out[t * H + n] = from_float<T>(v);
+    out[(long long)t * H + n] = from_float<T>(v);
 }
 
 // ------------------------------------------------------------------------------------------------

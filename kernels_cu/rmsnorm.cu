@@ -13,17 +13,30 @@
 
 constexpr int ROW_VECS = 4;  // 16-byte vectors per thread in the VEC variant (keep in sync with norm.py)
 
-// dst[i] = round_T(v * inv_rms) * w for the vectors this thread holds in registers (VEC variants).
+// g[k] = this thread's vectors of the weight w (VEC variants), loaded before the row's reduction so
+// that their latency overlaps it instead of following it.
 template <typename T>
-__device__ __forceinline__ void scale_cached_row(T* dst, const Vec16<T> (&v)[ROW_VECS], const T* w, int nvec, float inv_rms) {
+__device__ __forceinline__ void load_weight_vecs(Vec16<T> (&g)[ROW_VECS], const T* __restrict__ w, int nvec) {
+    constexpr int N = Vec16<T>::N;
+#pragma unroll
+    for (int k = 0; k < ROW_VECS; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < nvec) g[k] = load16(w + i * N);
+    }
+}
+
+// dst[i] = round_T(v * inv_rms) * g for the vectors this thread holds in registers (VEC variants).
+template <typename T>
+__device__ __forceinline__ void scale_cached_row(T* dst, const Vec16<T> (&v)[ROW_VECS], const Vec16<T> (&g)[ROW_VECS],
+                                                 int nvec, float inv_rms) {
     constexpr int N = Vec16<T>::N;
 #pragma unroll
     for (int k = 0; k < ROW_VECS; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i < nvec) {
-            Vec16<T> g = load16(w + i * N), o;
+            Vec16<T> o;
 #pragma unroll
-            for (int j = 0; j < N; ++j) o.v[j] = from_float<T>(round_to<T>(to_float(v[k].v[j]) * inv_rms) * to_float(g.v[j]));
+            for (int j = 0; j < N; ++j) o.v[j] = from_float<T>(round_to<T>(to_float(v[k].v[j]) * inv_rms) * to_float(g[k].v[j]));
             store16(dst + i * N, o);
         }
     }
@@ -40,7 +53,8 @@ __global__ void rms_norm(T* out, const T* x, const T* __restrict__ w, int dim, l
     if constexpr (VEC) {
         constexpr int N = Vec16<T>::N;
         const int nvec = dim / N;
-        Vec16<T> v[ROW_VECS];
+        Vec16<T> v[ROW_VECS], g[ROW_VECS];
+        load_weight_vecs(g, w, nvec);
         float acc = 0.f;
 #pragma unroll
         for (int k = 0; k < ROW_VECS; ++k) {
@@ -51,7 +65,7 @@ __global__ void rms_norm(T* out, const T* x, const T* __restrict__ w, int dim, l
                 for (int j = 0; j < N; ++j) { float f = to_float(v[k].v[j]); acc += f * f; }
             }
         }
-        scale_cached_row(dst, v, w, nvec, rsqrtf(block_sum(acc) / dim + eps));
+        scale_cached_row(dst, v, g, nvec, rsqrtf(block_sum(acc) / dim + eps));
     } else {
         float acc = 0.f;
         for (int i = threadIdx.x; i < dim; i += blockDim.x) { float f = to_float(row[i]); acc += f * f; }
@@ -73,7 +87,8 @@ __global__ void fused_add_rms_norm(T* __restrict__ out, T* __restrict__ residual
     if constexpr (VEC) {
         constexpr int N = Vec16<T>::N;
         const int nvec = dim / N;
-        Vec16<T> v[ROW_VECS];
+        Vec16<T> v[ROW_VECS], g[ROW_VECS];
+        load_weight_vecs(g, w, nvec);
         float acc = 0.f;
 #pragma unroll
         for (int k = 0; k < ROW_VECS; ++k) {
@@ -90,7 +105,7 @@ __global__ void fused_add_rms_norm(T* __restrict__ out, T* __restrict__ residual
                 v[k] = a;
             }
         }
-        scale_cached_row(dst, v, w, nvec, rsqrtf(block_sum(acc) / dim + eps));
+        scale_cached_row(dst, v, g, nvec, rsqrtf(block_sum(acc) / dim + eps));
     } else {
         float acc = 0.f;
         for (int i = threadIdx.x; i < dim; i += blockDim.x) {

@@ -221,38 +221,36 @@ def test_route_few_gives_topk_softmax_picks_and_the_shared_rows(name, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemv_combine_is_deterministic_and_leaves_its_counters_at_zero(dtype, monkeypatch):
-    """The per-choice GEMV's down launch also combines: the last block of each (token, column slab)
-    sums the token's choices. Whichever block comes last, the sum has the same order: every run gives
-    the same bits, and every launch leaves the arrival counters at zero for the next one."""
+def test_gemv_combine_is_deterministic(dtype, monkeypatch):
+    """The per-choice GEMV's down launch also combines: one block per (token, column slab) computes all
+    of its token's choices and sums them in pick order, so every run gives the same bits. 33 tokens: more
+    than one block row; H = 264: a width that is not a power of two."""
     force(monkeypatch, "gemv_per_choice")
-    gate_up, down = experts(16, 256, 96, dtype)
-    for t in (1, 4, 33):
-        x = torch.randn(t, 256, device="cuda").to(dtype)
-        w, ids = random_choice(t, 3, 16, seed=t)
-        ids[0, 1] = 99  # a dropped choice
-        shared = torch.randn(t, 256, device="cuda").to(dtype)
-        first = moe_experts(x, w, ids, gate_up, down, shared)
-        keep = ids.clone().masked_fill_(ids >= 16, 0)
-        want = routed_experts(x, w.masked_fill(ids >= 16, 0.0), keep, gate_up, down) + shared
-        assert close(first, want, dtype)
-        for _ in range(5):
-            assert torch.equal(moe_experts(x, w, ids, gate_up, down, shared), first)
-        assert not moe._COUNTERS[0].any()
+    for h in (256, 264):
+        gate_up, down = experts(16, h, 96, dtype)
+        for t in (1, 4, 33):
+            x = torch.randn(t, h, device="cuda").to(dtype)
+            w, ids = random_choice(t, 3, 16, seed=t)
+            ids[0, 1] = 99  # a dropped choice
+            shared = torch.randn(t, h, device="cuda").to(dtype)
+            first = moe_experts(x, w, ids, gate_up, down, shared)
+            keep = ids.clone().masked_fill_(ids >= 16, 0)
+            want = routed_experts(x, w.masked_fill(ids >= 16, 0.0), keep, gate_up, down) + shared
+            assert close(first, want, dtype), (h, t)
+            for _ in range(5):
+                assert torch.equal(moe_experts(x, w, ids, gate_up, down, shared), first)
 
 
 @pytest.mark.cuda_graph
-def test_gemv_counters_are_not_grown_inside_a_capture(monkeypatch):
-    force(monkeypatch, "gemv_per_choice")
-    monkeypatch.setattr(moe, "_COUNTERS", {})
-    gate_up, down = experts(16, 256, 96, torch.bfloat16)
+def test_router_counters_are_not_grown_inside_a_capture(monkeypatch):
+    cfg, layer = few_layer("lite", 2, torch.bfloat16)
     x = torch.randn(2, 256, device="cuda").to(torch.bfloat16)
-    w, ids = random_choice(2, 2, 16)
-    moe_experts(x, w, ids, gate_up, down)  # compiles the kernels; the counters exist now
+    args = (x, layer.gate.weight, cfg, layer.shared_experts.gate_up_proj.weight)
+    moe.route_few(*args)  # compiles the kernel; the counters exist now
     monkeypatch.setattr(moe, "_COUNTERS", {})
     with pytest.raises(RuntimeError, match="run the step once eagerly"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            moe_experts(x, w, ids, gate_up, down)
+            moe.route_few(*args)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
