@@ -156,6 +156,10 @@ class BlockManager:
         """Tokens of ``seq_id`` that have a slot."""
         return len(self._tokens[seq_id])
 
+    def has_pending(self, seq_id: Hashable) -> bool:
+        """Whether a token of ``seq_id`` is still ``PENDING`` (given a slot before its value was known)."""
+        return PENDING in self._tokens[seq_id]
+
     def ref_count(self, block: int) -> int:
         """How many block tables hold ``block``."""
         return self._ref[block]

@@ -137,6 +137,7 @@ class Scheduler:
         self.steps = 0
         self._next_id = 0
         self._unreported = False  # a step was scheduled and its tokens not yet given to update
+        self._releasing: dict[int, Request] = {}  # finished, blocks kept until resolve fills their PENDING tokens
         self._budget = 0  # tokens the step being scheduled may still take
         self._peak_running = self._max_decode = self._waits = self._preemptions = self._prefill_tokens = 0
         self._chunks = self._max_step = 0
@@ -217,7 +218,7 @@ class Scheduler:
         (scheduled at ``step``), finishing only requests that reached ``max_tokens``; here are the tokens
         and the stop decisions. Each token replaces its placeholder (in the request's output and, where
         a later step already gave it a slot, in the block manager, which names blocks once they are
-        known). A request stopped here may already have work in the step after: its output is cut after
+        known; a request ``update`` finished at ``max_tokens`` keeps its blocks until then). A request stopped here may already have work in the step after: its output is cut after
         the stop token, and that later token is dropped when its step resolves.
 
         Returns the tokens to report, ``(request, token, last)`` per item not dropped (``last``: the
@@ -233,7 +234,7 @@ class Scheduler:
             if i >= len(r.output) or r.output[i] != PENDING:
                 continue  # r stopped at an earlier step: this token was never to be produced
             r.output[i] = token
-            if r.status == "running" and self.blocks.num_tokens(r.id) > pos:
+            if (r.status == "running" or r.id in self._releasing) and self.blocks.num_tokens(r.id) > pos:
                 self.blocks.set_token(r.id, pos, token)
             if stop:
                 del r.output[i + 1:]
@@ -242,6 +243,9 @@ class Scheduler:
                     self._finish(r)
                     finished.append(r)
             report.append((r, token, r.status == "finished" and i == len(r.output) - 1))
+        for r in [r for r in self._releasing.values() if not self.blocks.has_pending(r.id)]:
+            del self._releasing[r.id]
+            self.blocks.free(r.id)
         return report, finished
 
     def run(self, step: Callable[[list[Work]], tuple[Sequence[int], Sequence[bool]]]) -> list[Request]:
@@ -317,10 +321,16 @@ class Scheduler:
         return True
 
     def _finish(self, r: Request) -> None:
-        """A running request is done: its blocks go back to the pool (named ones stay cached)."""
+        """A running request is done: its blocks go back to the pool (named ones stay cached). One step
+        ahead, ``update`` finishes a request at ``max_tokens`` while the token its last step fed is still
+        ``PENDING``; its blocks then go back once :meth:`resolve` has filled that token in, so that a block
+        the token completes is named and cached, as it is when the engine runs in step."""
         r.status = "finished"
-        self.blocks.free(r.id)
         self.running.remove(r)
+        if self.blocks.has_pending(r.id):
+            self._releasing[r.id] = r
+        else:
+            self.blocks.free(r.id)
 
     def _preempt(self, r: Request) -> None:
         """Recompute preemption: free r's blocks and queue it first, its output now part of what to prefill."""

@@ -401,15 +401,18 @@ def test_async_scheduling_gives_the_same_outputs(tiny, scheduling, budget):
     """One step ahead (the default) and one step at a time: the same tokens, finish reasons and
     statistics, with stop ids that end some requests early (their token of the step in flight is
     dropped), seeded sampling, chunked prefill (budget 8), a request whose prompt shares request 1's
-    first blocks, and a second run whose prompts continue the first run's outputs."""
+    first blocks, one whose last fed-back token completes a block (10 + 6 tokens: one step ahead it is
+    still a placeholder when the request finishes), and a second run whose prompts continue the first
+    run's outputs, finding the same cached blocks."""
     prompt, full = find_prompt_with_new_token_at_step(tiny, 3)
     stop = full.token_ids[3]
-    prompts = [prompt, list(range(20, 50)), [5] * 9, list(range(20, 33)) + [7], [42]]
+    prompts = [prompt, list(range(20, 50)), [5] * 9, list(range(20, 33)) + [7], [42], list(range(60, 70))]
     params = [SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop]),
               SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True),
               SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=9, temperature=0.0, stop_token_ids=[stop]),
-              SamplingParams(max_tokens=1, temperature=0.0)]
+              SamplingParams(max_tokens=1, temperature=0.0),
+              SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)]
     runs = {}
     for ahead in (False, True):
         llm = LLM("tiny", device="cpu", dtype="float32", kv_cache_mib=40 * tiny_block_mib(4), block_size=4,

@@ -340,6 +340,29 @@ def test_one_step_ahead_gives_the_same_tokens(requests, block_size, extra_blocks
     assert sched.stats().free_blocks == num_blocks
 
 
+@settings(max_examples=120, deadline=None)
+@given(requests=WORKLOAD_STRATEGIES["requests"], block_size=WORKLOAD_STRATEGIES["block_size"],
+       mode=WORKLOAD_STRATEGIES["mode"], budget=WORKLOAD_STRATEGIES["budget"], ahead=st.booleans())
+def test_every_full_block_of_fed_tokens_stays_cached(requests, block_size, mode, budget, ahead):
+    """Over a pool no run can fill (nothing is evicted), every full block of the tokens that went through
+    the model (the prompt and every generated token but the last) stays in the prefix cache after the
+    run, in step and one step ahead alike: a next turn finds them all. One step ahead, the last token a
+    request feeds is still PENDING when ``update`` finishes the request at ``max_tokens``; its block is
+    named once ``resolve`` fills the token in (the scheduler keeps the blocks until then)."""
+    prompts = [prefix + suffix for prefix, suffix, _ in requests]
+    num_blocks = sum(-(-(len(p) + m) // block_size) for p, (_, _, m) in zip(prompts, requests))
+    sched = Scheduler(BlockManager(num_blocks, block_size), mode, "reserve", budget)
+    reqs = [sched.add_request(p, m) for p, (_, _, m) in zip(prompts, requests)]
+    if ahead:
+        run_ahead(sched, FakeModel(block_size))
+    else:
+        sched.run(FakeModel(block_size))
+    assert sched.stats().free_blocks == num_blocks and sched.blocks.stats().evictions == 0
+    for r in reqs:
+        fed = r.prompt + r.output[:-1]
+        assert sched.blocks.add_sequence(("next turn", r.id), fed + [1]) == len(fed) // block_size * block_size
+
+
 def test_resolve_cuts_a_stopped_request_and_drops_its_token_in_flight():
     sched, model = make(8, block_size=4)
     r = sched.add_request([1, 2, 3], 6)
