@@ -218,8 +218,9 @@ class Scheduler:
         (scheduled at ``step``), finishing only requests that reached ``max_tokens``; here are the tokens
         and the stop decisions. Each token replaces its placeholder (in the request's output and, where
         a later step already gave it a slot, in the block manager, which names blocks once they are
-        known; a request ``update`` finished at ``max_tokens`` keeps its blocks until then). A request stopped here may already have work in the step after: its output is cut after
-        the stop token, and that later token is dropped when its step resolves.
+        known; a request ``update`` finished at ``max_tokens`` keeps its blocks until then). A request
+        stopped here may already have work in the step after: its output is cut after the stop token,
+        and that later token is dropped when its step resolves.
 
         Returns the tokens to report, ``(request, token, last)`` per item not dropped (``last``: the
         request's final token), and the requests finished here."""
