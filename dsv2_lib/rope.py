@@ -89,8 +89,8 @@ def apply_rope_(q_pe: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor,
 
     Both may be strided views (the model passes ``q[..., 128:]`` of ``q [T, h, 192]`` and
     ``kv[:, 512:]`` of ``kv [T, 576]``); only the last dimension must be dense. ``max_position``
-    is an upper bound on ``positions`` that the caller knows on the host (the model derives it from
-    its ``SequenceBatch``): it is checked against the cache's length without reading the GPU. Left
+    is an upper bound on ``positions`` that the caller knows on the host (the model passes its batch's
+    ``last_position``): it is checked against the cache's length without reading the GPU. Left
     ``None``, the kernel path reads ``positions.max()`` (a device sync; not inside a CUDA graph).
     The kernel also never reads outside the cache: a token whose position lies outside it gets NaN.
     """

@@ -5,10 +5,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .embedding import embedding
+from .gemv import linear
 
 
 def empty_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -17,14 +17,15 @@ def empty_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """``y = x @ weight.T`` with ``weight [out, in]`` (HF layout, no bias: DeepSeek-V2 has none)."""
+    """``y = x @ weight.T`` with ``weight [out, in]`` (HF layout, no bias: DeepSeek-V2 has none): a GEMV
+    kernel for one or two tokens on a GPU (:func:`~dsv2_lib.gemv.linear`), else ``F.linear``."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.weight = empty_param(out_features, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class Embedding(nn.Module):

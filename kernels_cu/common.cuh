@@ -61,3 +61,63 @@ __device__ __forceinline__ float block_sum(float x) {
     __syncthreads();
     return total;
 }
+
+// ---- GEMV rows: a pair of weight rows against a few input rows ----------------------------------
+// (s0[t], s1[t]) = (w0 . x_t, w1 . x_t) over K (a multiple of the vector width) for the TOKENS input
+// rows x_t = x + t * x_stride, each summed over the warp. Lane l takes the 16-byte vectors l, l + 32,
+// ... of both weight rows and of every x_t, VECS of each at a time, all loaded before the first is
+// used: a warp makes one trip to memory per 32 * VECS vectors, and each weight row is read once for
+// all TOKENS rows. Each lane adds its products in vector order, so the sums do not depend on VECS.
+// The MoE GEMVs (chapter 08) and the dense one (gemv.cu, chapter 14) use it.
+template <int VECS, int TOKENS, typename T>
+__device__ __forceinline__ void dot2_rows(const T* __restrict__ w0, const T* __restrict__ w1, const T* __restrict__ x,
+                                          long long x_stride, int K, int lane, float (&s0)[TOKENS],
+                                          float (&s1)[TOKENS]) {
+    constexpr int N = Vec16<T>::N;
+    const int nv = K / N;
+    float a0[TOKENS], a1[TOKENS];
+#pragma unroll
+    for (int t = 0; t < TOKENS; ++t) a0[t] = a1[t] = 0.f;
+    for (int v0 = lane; v0 < nv; v0 += 32 * VECS) {
+        Vec16<T> u0[VECS], u1[VECS], xv[TOKENS][VECS];
+#pragma unroll
+        for (int i = 0; i < VECS; ++i) {
+            const int v = v0 + 32 * i;
+            if (v < nv) {
+                u0[i] = load16(w0 + v * N);
+                u1[i] = load16(w1 + v * N);
+#pragma unroll
+                for (int t = 0; t < TOKENS; ++t) xv[t][i] = load16(x + t * x_stride + v * N);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < VECS; ++i) {
+            if (v0 + 32 * i < nv) {
+#pragma unroll
+                for (int j = 0; j < N; ++j) {
+#pragma unroll
+                    for (int t = 0; t < TOKENS; ++t) {
+                        const float xj = to_float(xv[t][i].v[j]);
+                        a0[t] = fmaf(to_float(u0[i].v[j]), xj, a0[t]);
+                        a1[t] = fmaf(to_float(u1[i].v[j]), xj, a1[t]);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < TOKENS; ++t) {
+        s0[t] = warp_sum(a0[t]);
+        s1[t] = warp_sum(a1[t]);
+    }
+}
+
+// One input row: (s0, s1) = (w0 . x, w1 . x).
+template <int VECS, typename T>
+__device__ __forceinline__ void dot2(const T* __restrict__ w0, const T* __restrict__ w1, const T* __restrict__ x,
+                                     int K, int lane, float& s0, float& s1) {
+    float r0[1], r1[1];
+    dot2_rows<VECS, 1>(w0, w1, x, 0, K, lane, r0, r1);
+    s0 = r0[0];
+    s1 = r1[0];
+}

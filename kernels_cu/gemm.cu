@@ -31,8 +31,10 @@ constexpr int THREADS = (BM / TM) * (BN / TN);  // 16 x 16 = 256
 template <typename T>
 __global__ void __launch_bounds__(THREADS)
 tiled_matmul(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B, int M, int N, int K) {
-    // A's tile is stored transposed (k-major) so that a thread reads its 4 values of A at one k;
-    // the +1 column shifts each k-row by one bank, so the transposed writes do not all hit one bank.
+    // A's tile is stored transposed (k-major), the layout of kernels whose threads own contiguous rows
+    // of C and read their values of A at one k as one vector (here a half-warp reads one broadcast
+    // address either way); the +1 column shifts each k-row by one bank, so the transposed writes do
+    // not all hit one bank.
     __shared__ float As[BK][BM + 1];
     __shared__ float Bs[BK][BN];
 

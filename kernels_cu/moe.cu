@@ -409,42 +409,7 @@ constexpr int GATE_UP_COLS = 2;  // gate|up columns per warp (a gate row and an 
 constexpr int DOWN_COLS = 4;     // down columns per block, two at a time per warp (keep both in sync with moe.py)
 constexpr int GATE_UP_VECS = 4, DOWN_VECS = 3;  // VECS of dot2: K = 2048 in two trips, K = 1408 in two
 
-// (s0, s1) = (w0 . x, w1 . x) over K (a multiple of the vector width), summed over the warp. Lane l
-// takes the vectors l, l + 32, ... of both weight rows and of x, VECS of each at a time, all loaded
-// before the first is used. Each lane adds its products in vector order, so the sums do not depend
-// on VECS.
-template <int VECS, typename T>
-__device__ __forceinline__ void dot2(const T* __restrict__ w0, const T* __restrict__ w1, const T* __restrict__ x,
-                                     int K, int lane, float& s0, float& s1) {
-    constexpr int N = Vec16<T>::N;
-    const int nv = K / N;
-    float a0 = 0.f, a1 = 0.f;
-    for (int v0 = lane; v0 < nv; v0 += 32 * VECS) {
-        Vec16<T> u0[VECS], u1[VECS], xv[VECS];
-#pragma unroll
-        for (int i = 0; i < VECS; ++i) {
-            const int v = v0 + 32 * i;
-            if (v < nv) {
-                u0[i] = load16(w0 + v * N);
-                u1[i] = load16(w1 + v * N);
-                xv[i] = load16(x + v * N);
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < VECS; ++i) {
-            if (v0 + 32 * i < nv) {
-#pragma unroll
-                for (int j = 0; j < N; ++j) {
-                    const float xj = to_float(xv[i].v[j]);
-                    a0 = fmaf(to_float(u0[i].v[j]), xj, a0);
-                    a1 = fmaf(to_float(u1[i].v[j]), xj, a1);
-                }
-            }
-        }
-    }
-    s0 = warp_sum(a0);
-    s1 = warp_sum(a1);
-}
+// dot2 (common.cuh) streams a pair of weight rows against the input row.
 
 // The gate|up columns of one block: h_row[n] = round(silu(round(x . gate[n])) * round(x . up[n])) for
 // the slab's GEMV_WARPS * COLS columns n (COLS per warp); row n of the gate and up matrices starts at

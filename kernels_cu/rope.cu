@@ -8,7 +8,8 @@
 //
 // One block per token: it reads the token's position once, then its threads sweep the (h + 1)
 // rows of d values (h query heads, then k_pe). cos/sin come from the fp32 table [P, d] that
-// rope_cos_sin_cache builds; the block's threads all read the same d floats, from L1.
+// rope_cos_sin_cache builds; all h + 1 rows use the token's same d floats (each thread reads those
+// of its own pairs), so after the first row they come from L1.
 // Each product and sum is rounded in fp32 with __fmul_rn/__fadd_rn/__fsub_rn, which the compiler
 // never contracts into an FMA, so the result matches PyTorch's separate multiplies bit for bit.
 //   VEC = true  : each thread moves one 16-byte vector (8 bf16/fp16 or 4 fp32 values = 4 or 2

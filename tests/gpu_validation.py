@@ -23,13 +23,14 @@ report is complete only when every part ran on the sources being committed.
    ``RACECHECK_SKIP``). The parts do not share the GPU: measured on the H200, the full-size tests
    (~100 GB) beside 14 sanitizer processes ran the sanitized tests out of memory and both out of time;
 3. a report with the GPU, versions, dates, pass/fail counts, sanitizer error counts and a hash of
-   ``kernels_cu/`` and the kernel wrappers. ``tests/test_gpu_report.py`` (CPU, in CI) fails when
+   ``kernels_cu/`` and every engine module the GPU tests import (``kernel_sources``). ``tests/test_gpu_report.py`` (CPU, in CI) fails when
    the hash no longer matches the sources or a part is missing, so a kernel change cannot land
    unvalidated. Every process has a time limit and streams its log to ``$OUT/gate_logs`` (default
    /tmp/gate_logs), so a run cut short still leaves its evidence.
 """
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import datetime
 import hashlib
@@ -52,12 +53,62 @@ REPORT = ROOT / "tests" / "gpu_validation_report.json"
 SECONDS = ROOT / "tests" / "sanitizer_seconds.json"  # each sanitized test's seconds in its last run, per tool
 
 
+def gpu_test_files() -> list[Path]:
+    """The test files that hold GPU tests (a ``pytest.mark.gpu`` in them)."""
+    return sorted(p for p in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
+
+
+def _imported_modules(path: Path, package: str | None) -> set[str]:
+    """The ``dsv2_lib`` modules that the file at ``path`` imports (``package``: its own package's
+    dotted name for relative imports, ``None`` outside the library), read from its syntax tree."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                if package is None:
+                    continue
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}  # `from pkg import module`
+    return {m for m in found if m == "dsv2_lib" or m.startswith("dsv2_lib.")}
+
+
+def _module_file(name: str) -> Path | None:
+    """The source file of module ``name`` inside the repository (a package's ``__init__.py``)."""
+    base = ROOT.joinpath(*name.split("."))
+    for p in (base.with_suffix(".py"), base / "__init__.py"):
+        if p.is_file():
+            return p
+    return None
+
+
+def gpu_tested_modules() -> list[Path]:
+    """Every ``dsv2_lib`` module that the GPU tests import, directly or through other modules (an
+    import of ``dsv2_lib.x`` also runs the packages above it): the engine code a GPU run exercises."""
+    todo = set().union(*(_imported_modules(p, None) for p in gpu_test_files()))
+    seen: dict[str, Path] = {}
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        todo |= {".".join(parts[:i]) for i in range(1, len(parts))} - seen.keys()
+        path = _module_file(name)
+        if name in seen or path is None:
+            continue
+        seen[name] = path
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        todo |= _imported_modules(path, package) - seen.keys()
+    return sorted(set(seen.values()))
+
+
 def kernel_sources() -> list[Path]:
-    """kernels_cu/ and every engine module that launches kernels (declares a kernel file)."""
+    """What a GPU gate run validates: kernels_cu/ and every engine module the GPU tests import (the
+    kernel wrappers, and the model, cache, scheduler and engine loop that the full-size tests run)."""
     cu = sorted(p for p in (ROOT / "kernels_cu").iterdir() if p.suffix in (".cu", ".cuh"))
-    wrappers = sorted(p for p in (ROOT / "dsv2_lib").glob("*.py")
-                      if p.name == "kernels.py" or "kernels.declare(" in p.read_text())
-    return cu + wrappers
+    return cu + gpu_tested_modules()
 
 
 def sources_hash() -> str:
@@ -118,7 +169,8 @@ def our_kernels() -> set[str]:
     """The names of every ``__global__`` function in kernels_cu/."""
     names = set()
     for cu in (ROOT / "kernels_cu").glob("*.cu"):
-        names |= set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(", cu.read_text()))
+        names |= set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s+)?(\w+)\s*\(",
+                                cu.read_text()))  # launch bounds may call a constexpr function: f(x)
     return names
 
 

@@ -8,7 +8,7 @@ from gpu_validation import PARTS, REPORT, part_ok, sources_hash
 def test_report_matches_current_kernel_sources():
     report = json.loads(REPORT.read_text())
     assert report["sources_sha256"] == sources_hash(), (
-        "kernels_cu/ or a kernel wrapper changed since the last GPU validation: run "
+        "kernels_cu/ or an engine module the GPU tests import changed since the last GPU validation: run "
         "`python tests/gpu_validation.py tests`, `... memcheck` and `... racecheck` on the GPU machine and commit "
         "tests/gpu_validation_report.json"
     )

@@ -19,7 +19,8 @@ SUMMARY = "========= RACECHECK SUMMARY: 3 hazards displayed (2 errors, 1 warning
 
 def test_our_kernels_are_found_in_kernels_cu():
     ours = our_kernels()
-    assert {"mla_decode_split", "mla_decode_combine", "write_cache_rows", "topk_softmax", "moe_align"} <= ours
+    assert {"mla_decode_split", "mla_decode_combine", "mla_decode_balanced", "write_cache_rows", "topk_softmax",
+            "moe_align", "linear_gemv"} <= ours
     assert not any(n.startswith("nvjet") or "cudnn" in n for n in ours)
 
 
@@ -131,3 +132,33 @@ def test_junit_seconds_are_keyed_by_pytest_id(tmp_path):
     assert junit_seconds(junit) == {"tests/test_moe_gpu.py::test_a[x-1]": 3.5,
                                                    "tests/test_rope_gpu.py::test_b": 0.25}
     assert junit_seconds(tmp_path / "missing.xml") == {}
+
+
+def test_the_hash_covers_every_engine_module_the_gpu_tests_import(tmp_path, monkeypatch):
+    """Not only the kernel wrappers: the scheduler, block manager, graph runner and engine loop run in
+    the full-size GPU tests, so a change to them needs a GPU run too. Modules no GPU test reaches stay out."""
+    import gpu_validation as gv
+
+    names = {p.relative_to(gv.ROOT).as_posix() for p in gv.kernel_sources()}
+    assert {"kernels_cu/mla_decode.cu", "kernels_cu/common.cuh", "dsv2_lib/mla_decode.py", "dsv2_lib/scheduler.py",
+            "dsv2_lib/block_manager.py", "dsv2_lib/graph_runner.py", "dsv2_lib/llm.py", "dsv2_lib/__init__.py"} <= names
+    assert "dsv2_lib/train_tiny.py" not in names and "dsv2_lib/show.py" not in names
+    # the closure follows relative imports (from . import x, from .x import y, from .. import z)
+    pkg = tmp_path / "dsv2_lib"
+    (pkg / "sub").mkdir(parents=True)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "kernels_cu").mkdir()
+    (pkg / "__init__.py").write_text("from .a import f\n")
+    (pkg / "a.py").write_text("from . import b\nimport os\n")
+    (pkg / "b.py").write_text("x = 1\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "c.py").write_text("from .. import d\n")
+    (pkg / "d.py").write_text("")
+    (pkg / "unused.py").write_text("")
+    (tmp_path / "tests" / "test_x_gpu.py").write_text("import pytest\npytestmark = pytest.mark.gpu\n"
+                                                      "from dsv2_lib.sub.c import thing\n")
+    (tmp_path / "tests" / "test_cpu.py").write_text("from dsv2_lib import unused\n")
+    monkeypatch.setattr(gv, "ROOT", tmp_path)
+    got = {p.relative_to(tmp_path).as_posix() for p in gv.gpu_tested_modules()}
+    assert got == {"dsv2_lib/__init__.py", "dsv2_lib/a.py", "dsv2_lib/b.py", "dsv2_lib/sub/__init__.py",
+                   "dsv2_lib/sub/c.py", "dsv2_lib/d.py"}

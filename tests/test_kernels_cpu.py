@@ -57,3 +57,16 @@ def test_backend_choice(monkeypatch):
     monkeypatch.setenv("DSV2_BACKEND", "fast")
     with pytest.raises(ValueError, match="DSV2_BACKEND must be one of auto, cuda, torch, got 'fast'"):
         kernels.use_kernels(cpu)
+
+
+def test_linear_is_f_linear_on_the_cpu():
+    """Off the GPU the dense GEMV never applies: Linear and gemv.linear are F.linear."""
+    from dsv2_lib.gemv import gemv_applies, linear
+    from dsv2_lib.weights import Linear
+
+    torch.manual_seed(0)
+    x, layer = torch.randn(1, 64).bfloat16(), Linear(64, 24).bfloat16()
+    layer.weight.data.normal_()
+    assert not gemv_applies(x, layer.weight)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
+    assert torch.equal(linear(x, layer.weight), layer(x))

@@ -1,0 +1,72 @@
+"""Benchmark of the dense GEMV (chapter 14) on the GPU: ``python tests/bench_gemv.py``.
+
+For V2-Lite's projections in bf16 (the attention's q_proj, kv_a_proj_with_mqa and o_proj, layer 0's
+gate_up and down, the LM head) and 1 to 4 tokens, the GPU time (replayed CUDA graphs,
+``benchmark.time_cuda_graph``) of ``F.linear`` (cuBLAS) and of ``gemv.linear`` forced to the kernel,
+each as bandwidth (the weight's bytes over the time) against a copy of the same bytes. Weights are
+replicated and rotated past 256 MB so that L2 cannot serve them. The engine's threshold
+``gemv.GEMV_MAX_TOKENS`` is the largest token count at which the kernel wins on every attention
+projection. JSON to ``$DSV2_RESULTS_DIR`` (default /tmp) as ``bench_gemv.json``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from bench_mla_decode import copy_bandwidth, rotated, save
+
+from dsv2_lib import benchmark
+from dsv2_lib.gemv import GEMV_MAX_TOKENS, TOKENS_COMPILED, linear
+
+SHAPES = {"q_proj": (3072, 2048), "kv_a_proj": (576, 2048), "o_proj": (2048, 2048),
+          "mlp gate_up": (21888, 2048), "mlp down": (2048, 10944), "lm_head": (102400, 2048)}
+ATTENTION = ("q_proj", "kv_a_proj", "o_proj")
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no GPU: nothing to measure")
+        return 0
+    os.environ.setdefault("DSV2_BACKEND", "cuda")
+    dev, t0, results = torch.device("cuda"), time.time(), []
+    print(f"{'projection':>12} {'MB':>6} {'T':>2} | {'cuBLAS µs':>9} {'% copy':>6} | {'GEMV µs':>8} {'% copy':>6} | speed-up")
+    wins = {t: True for t in range(1, TOKENS_COMPILED + 1)}
+    for name, (n, k) in SHAPES.items():
+        nbytes = n * k * 2
+        weights = rotated(lambda: (torch.randn(n, k, device=dev) / k**0.5).to(torch.bfloat16), nbytes)
+        _, copy_bw = copy_bandwidth(weights, nbytes)
+        for t in range(1, TOKENS_COMPILED + 1):
+            x = torch.randn(t, k, device=dev).to(torch.bfloat16)
+            state = {"i": 0}
+
+            def call(fn):
+                w = weights[state["i"] % len(weights)]
+                state["i"] += 1
+                fn(x, w)
+
+            ms_blas = benchmark.time_cuda_graph(lambda: call(F.linear), calls=max(20, len(weights)))
+            ms_gemv = benchmark.time_cuda_graph(lambda: call(lambda a, b: linear(a, b, max_tokens=t)),
+                                                calls=max(20, len(weights)))
+            frac = [nbytes / (ms * 1e-3) / copy_bw for ms in (ms_blas, ms_gemv)]
+            print(f"{name:>12} {nbytes / 1e6:>6.1f} {t:>2} | {ms_blas * 1e3:>9.1f} {100 * frac[0]:>5.0f}% |"
+                  f" {ms_gemv * 1e3:>8.1f} {100 * frac[1]:>5.0f}% | {ms_blas / ms_gemv:>6.2f}x")
+            if name in ATTENTION:
+                wins[t] &= ms_gemv < ms_blas
+            results.append({"projection": name, "n": n, "k": k, "tokens": t, "weight_bytes": nbytes,
+                            "cublas_ms": ms_blas, "gemv_ms": ms_gemv, "cublas_fraction_of_copy": frac[0],
+                            "gemv_fraction_of_copy": frac[1], "copy_GBps": copy_bw / 1e9})
+        del weights
+        torch.cuda.empty_cache()
+    threshold = max([t for t in wins if all(wins[s] for s in range(1, t + 1))], default=0)
+    print(f"the GEMV wins on every attention projection up to {threshold} token(s); "
+          f"gemv.GEMV_MAX_TOKENS = {GEMV_MAX_TOKENS}{'' if threshold == GEMV_MAX_TOKENS else '  <- update it'}")
+    save("bench_gemv.json", "dense GEMV vs cuBLAS, bf16, V2-Lite's projections", "faster than cuBLAS up to "
+         "GEMV_MAX_TOKENS tokens on every attention projection", results, t0, measured_threshold=threshold)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
