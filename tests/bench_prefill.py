@@ -2,6 +2,7 @@
 Not collected by pytest.
 
     python tests/bench_prefill.py      # prints a table, writes $DSV2_RESULTS_DIR/bench_prefill.json (or /tmp)
+    python tests/bench_prefill.py --profile   # also: the host's time per op and module in one 1 x 512 forward
 
 DeepSeek-V2-Lite with random bf16 weights made on the GPU (no checkpoint), B x 512-token prompts
 (B = 1, 8) in one step, as the engine runs them:
@@ -43,8 +44,8 @@ def random_init(model: torch.nn.Module, path=None, progress=None) -> None:
             p.normal_(1, 0.1) if name.endswith("norm.weight") else p.normal_(0, 0.02)
 
 
-def forward_times(llm: llm_module.LLM, B: int) -> dict:
-    """Host, wall and GPU-only milliseconds of one B x 512 prefill forward (median of REPEATS)."""
+def forward_step(llm: llm_module.LLM, B: int):
+    """A function that runs one B x 512 prefill forward (and the last positions' logits) as the engine does."""
     per = -(-PROMPT // BLOCK)
     cache = PagedLatentCache(CFG, B * per, BLOCK, torch.bfloat16, "cuda")
     tables = tuple(tuple(range(b * per, (b + 1) * per)) for b in range(B))
@@ -56,6 +57,12 @@ def forward_times(llm: llm_module.LLM, B: int) -> dict:
         batch = PagedBatch((0,) * B, (PROMPT,) * B, tables, BLOCK, slots, device=torch.device("cuda"), host_checked=True)
         return llm.model.compute_logits(llm.model(tokens, batch, cache)[last])
 
+    return step
+
+
+def forward_times(llm: llm_module.LLM, B: int) -> dict:
+    """Host, wall and GPU-only milliseconds of one B x 512 prefill forward (median of REPEATS)."""
+    step = forward_step(llm, B)
     step()
     host, wall, gpu = [], [], []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -76,12 +83,31 @@ def forward_times(llm: llm_module.LLM, B: int) -> dict:
     return {k: statistics.median(v) * 1e3 for k, v in (("host_ms", host), ("wall_ms", wall), ("gpu_ms", gpu))}
 
 
+def profile_host(llm: llm_module.LLM) -> None:
+    """Print where the host spends a 1 x 512 forward: torch.profiler's ops by self CPU time, and the
+    number of kernel launches (CuPy's launches are not ops: they show as time between ops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = forward_step(llm, 1)
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=False) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(f"GPU kernels in one 1 x {PROMPT} forward: {len(kernels)}")
+
+
 def main() -> None:
+    import sys
     out_dir = Path(os.environ.get("DSV2_RESULTS_DIR", "/tmp"))
     model_dir = Path(tempfile.mkdtemp())
     (model_dir / "config.json").write_text(json.dumps(CFG.to_hf_dict()))
     llm_module.load_checkpoint = random_init  # random weights instead of a 31 GB checkpoint on disk
     llm = llm_module.LLM(model_dir, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.85)
+    if "--profile" in sys.argv[1:]:
+        profile_host(llm)
     rows = []
     for B in (1, 8):
         r = {"batch": B, **forward_times(llm, B)}
