@@ -5,42 +5,73 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .llm import LLM
-from .sampling import SamplingParams
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's help with each option's default appended ("off by default" for a flag), except where
+    the help already says what the default is (one computed at run time, such as the device)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or isinstance(action, argparse._HelpAction):
+            return text
+        if action.nargs == 0:
+            return f"{text} (off by default)"
+        return super()._get_help_string(action)
 
 
-def main(argv: list[str] | None = None) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1, else a clear error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: ``generate`` and ``bench``, every option with its help and default."""
     parser = argparse.ArgumentParser(prog="python -m dsv2_lib", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate a continuation for each prompt")
+    gen = sub.add_parser("generate", help="generate a continuation for each prompt", formatter_class=HelpFormatter,
+                         description="Generate a continuation for each prompt with the batching engine (chapters 09-14).")
     gen.add_argument("prompts", nargs="+", help="prompt texts (served together by the batching scheduler)")
     gen.add_argument("--model", default="tiny", help="'tiny' or a DeepSeek-V2 checkpoint directory")
-    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    gen.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
+    gen.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                     help="weights' dtype (default: the checkpoint's; float32 for tiny on a CPU)")
+    gen.add_argument("--max-tokens", type=positive_int, default=32, help="most tokens generated per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all")
+    gen.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set of tokens with this much "
+                                                                "probability; 1 = all")
+    gen.add_argument("--seed", type=int, default=None, help="random seed of sampling (default: none, a fresh draw)")
     mode = gen.add_mutually_exclusive_group()
     mode.add_argument("--continuous", dest="scheduling", action="store_const", const="continuous",
-                      help="continuous batching: admit a request whenever blocks allow (default)")
+                      help="continuous batching: admit a request whenever blocks allow (the default)")
     mode.add_argument("--static", dest="scheduling", action="store_const", const="static",
                       help="static batching: admit a group, wait until all of it finishes")
     gen.add_argument("--kv-cache-mib", type=float, default=None,
                      help="KV cache size in MiB (default: room for every request at once)")
-    gen.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
-                     help="most tokens one step computes: decodes first, then prompt chunks (chunked prefill; "
-                          "default 8192)")
+    gen.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, metavar="N",
+                     help="most tokens one step computes: decodes first, then prompt chunks (chunked prefill)")
     gen.add_argument("--eager", dest="cuda_graphs", action="store_false",
                      help="launch every kernel from Python (no CUDA graphs for decode steps)")
     gen.add_argument("--in-step", dest="async_scheduling", action="store_false",
                      help="read each step's tokens back before planning the next (no host/GPU overlap)")
     gen.add_argument("--stats", action="store_true", help="print the scheduler and cache statistics to stderr")
     add_bench_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "bench":
         return bench_command(args)
+
+    from .llm import LLM
+    from .sampling import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -64,28 +95,50 @@ def add_bench_parser(sub) -> None:
     from .bench import BenchConfig
 
     d = BenchConfig()
-    b = sub.add_parser("bench", help="prefill and decode throughput, ours vs transformers (same weights, same prompts)")
+    b = sub.add_parser("bench", help="prefill and decode throughput, ours vs transformers (same weights, same prompts)",
+                       formatter_class=HelpFormatter,
+                       description="Measure prefill and decode throughput of our engine and of transformers on the "
+                                   "same checkpoint and prompts (chapter 14). DeepSeek-V2-Lite needs a CUDA GPU; "
+                                   "'--model tiny --device cpu' runs anywhere.")
     b.add_argument("--model", default=None, help="a checkpoint directory or 'tiny' (default: DeepSeek-V2-Lite "
                                                  "with random bf16 weights, written once to --checkpoint-dir)")
-    b.add_argument("--checkpoint-dir", default=d.checkpoint_dir)
-    b.add_argument("--device", default=d.device)
-    b.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"])
-    b.add_argument("--prompt-len", type=int, default=d.prompt_len)
-    b.add_argument("--prefill-batches", type=int, nargs="+", default=list(d.prefill_batches))
-    b.add_argument("--decode-batches", type=int, nargs="+", default=list(d.decode_batches))
-    b.add_argument("--decode-tokens", type=int, default=d.decode_tokens, help="tokens timed per decode measurement")
-    b.add_argument("--repeats", type=int, default=d.repeats)
+    b.add_argument("--checkpoint-dir", default=d.checkpoint_dir,
+                   help="where the random DeepSeek-V2-Lite checkpoint is written (about 31 GB) and reused")
+    b.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
+    b.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"], help="weights' dtype")
+    b.add_argument("--prompt-len", type=positive_int, default=d.prompt_len, help="tokens per prompt")
+    b.add_argument("--prefill-batches", type=positive_int, nargs="+", default=list(d.prefill_batches),
+                   help="prompts per prefill measurement")
+    b.add_argument("--decode-batches", type=positive_int, nargs="+", default=list(d.decode_batches),
+                   help="sequences per decode measurement")
+    b.add_argument("--decode-tokens", type=positive_int, default=d.decode_tokens,
+                   help="tokens timed per decode measurement")
+    b.add_argument("--repeats", type=positive_int, default=d.repeats, help="runs per measurement (the median counts)")
     b.add_argument("--no-transformers", dest="transformers", action="store_false", help="measure our engine only")
     b.add_argument("--eager", dest="cuda_graphs", action="store_false", help="ours without CUDA graphs")
     b.add_argument("--in-step", dest="async_scheduling", action="store_false",
                    help="ours without planning a step ahead of the GPU")
-    b.add_argument("--out", default="bench_results", help="directory for bench.json and bench.png")
+    b.add_argument("--out", default="bench_results", help="directory for bench.json and bench.png (the book's "
+                                                          "committed record is benchmarks/: write there on purpose)")
 
 
 def bench_command(args) -> int:
+    import torch
+
     from .bench import BenchConfig, run, save, table
 
-    cfg = BenchConfig(model=args.model, checkpoint_dir=args.checkpoint_dir, device=args.device, dtype=args.dtype,
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        print(f"error: --device must be cpu or cuda, got {device!r}", file=sys.stderr)
+        return 2
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print("error: --device cuda, but PyTorch sees no CUDA GPU here", file=sys.stderr)
+        return 2
+    if device == "cpu" and args.model is None:
+        print("error: the default model, DeepSeek-V2-Lite (a 31 GB checkpoint), needs a CUDA GPU; "
+              "on a CPU measure the tiny model: --model tiny --device cpu", file=sys.stderr)
+        return 2
+    cfg = BenchConfig(model=args.model, checkpoint_dir=args.checkpoint_dir, device=device, dtype=args.dtype,
                       prompt_len=args.prompt_len, prefill_batches=tuple(args.prefill_batches),
                       decode_batches=tuple(args.decode_batches), decode_tokens=args.decode_tokens,
                       repeats=args.repeats, transformers=args.transformers, cuda_graphs=args.cuda_graphs,

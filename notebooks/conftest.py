@@ -1,7 +1,8 @@
 """nbval configuration for the chapters.
 
 * Cells tagged ``gpu`` (kernel launches, benchmarks) are skipped, not executed, when no CUDA GPU
-  is present. nbval makes one pytest item per code cell (``nbval.plugin.IPyNbCell``); a skip
+  is present. (They also start with the ``%%gpu`` magic of ``gpu_cells.py``, which skips them in
+  JupyterLab the same way.) nbval makes one pytest item per code cell (``nbval.plugin.IPyNbCell``); a skip
   marker added here is honoured by pytest before the cell is sent to the kernel. A ``gpu`` cell
   never defines a name that a later cell needs, so skipping it is safe.
 * Only ``text/plain`` (plus streams) is compared in checked cells, not ``text/html``: the HTML of

@@ -38,6 +38,11 @@ def _definitions_only(tree: ast.Module) -> bool:
         for node in tree.body)
 
 
+def _without_gpu_magic(source: str) -> str:
+    """A cell's Python: a ``%%gpu`` first line (gpu_cells.py) removed; the body is plain Python."""
+    return source.partition("\n")[2] if source.split("\n", 1)[0].strip() == "%%gpu" else source
+
+
 def _listing_outputs(source: str, namespace: dict) -> list[Listing] | None:
     """The Listings the cell displays, in output order (``display(...)`` calls, then its last expression),
     or None when it displays none or cannot be evaluated without the cells skipped."""
@@ -62,10 +67,11 @@ def rerender(path: Path) -> tuple[list[int], list[int]]:
     changed, skipped = [], []
     cwd = os.getcwd()
     os.chdir(path.parent)  # notebooks run from their own folder (relative paths such as ../tests)
+    sys.path.insert(0, str(path.parent))  # ... and import from it (gpu_cells), as a Jupyter kernel does
     try:
         for i in code:
             cell = nb["cells"][i]
-            source = "".join(cell["source"])
+            source = _without_gpu_magic("".join(cell["source"]))
             tree = ast.parse(source)
             if i == code[0]:
                 exec(compile(source, f"{path.name} cell {i}", "exec"), namespace)
@@ -89,6 +95,7 @@ def rerender(path: Path) -> tuple[list[int], list[int]]:
                     changed.append(i)
     finally:
         os.chdir(cwd)
+        sys.path.remove(str(path.parent))
     if changed:
         path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return sorted(set(changed)), skipped

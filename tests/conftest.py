@@ -1,4 +1,7 @@
-"""Shared pytest configuration: tests marked ``gpu`` skip themselves where CUDA is absent."""
+"""Shared pytest configuration: tests marked ``gpu`` skip themselves where CUDA is absent, and the
+skipped tests are summed up in one line at the end of the run."""
+from collections import Counter
+
 import pytest
 import torch
 
@@ -10,6 +13,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line for the skipped tests instead of one per reason: on a CPU nearly all of them (the
+    kernel tests, the notebooks' ``gpu`` cells) need a CUDA GPU, which is expected, not a failure;
+    any other reason is named."""
+    reasons = Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reasons["gpu" if "CUDA GPU" in reason else reason.removeprefix("Skipped: ")] += 1
+    if not reasons:
+        return
+    parts = [f"{reasons.pop('gpu')} need a CUDA GPU (expected on a CPU; `pytest -m gpu` runs them on a GPU)"] \
+        if "gpu" in reasons else []
+    parts += [f"{n} {reason}" for reason, n in sorted(reasons.items())]
+    terminalreporter.write_line(f"skipped: {'; '.join(parts)}")
 
 
 @pytest.fixture

@@ -182,5 +182,5 @@ def test_cli_flag():
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"{prompt}{want}\n" and "largest step:           4 tokens" in r.stderr
     r = run("--max-num-batched-tokens", "0", "hi")
-    assert r.returncode == 2 and "max_num_batched_tokens must be an int >= 1" in r.stderr
+    assert r.returncode == 2 and "--max-num-batched-tokens: must be an int >= 1, got 0" in r.stderr
     assert "Traceback" not in r.stderr

@@ -43,3 +43,36 @@ def test_scheduling_flags_and_stats():
 def test_a_request_larger_than_the_cache_is_a_clear_error():
     r = run("generate", "--device", "cpu", "--kv-cache-mib", "0.03", "--max-tokens", "40", "hi")
     assert r.returncode == 2 and "can never run" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_help_of_every_subcommand_gives_each_option_its_default():
+    """``--help`` explains itself: every option has a description and says its default."""
+    import argparse
+
+    from dsv2_lib.__main__ import HelpFormatter, build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(subparsers) == {"generate", "bench"}
+    for name, sub in subparsers.items():
+        formatter = HelpFormatter(prog=name)
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction) or not action.option_strings:
+                continue
+            text = formatter._get_help_string(action)
+            assert action.help and "default" in text, f"{name} {action.option_strings[0]}: {text!r}"
+        assert "(default: 8192)" in " ".join(subparsers["generate"].format_help().split())
+
+
+def test_bench_refuses_what_it_cannot_run_before_writing_anything(tmp_path):
+    """On a CPU the default 31 GB model is refused up front; a count of 0 is an argument error."""
+    import torch
+
+    if not torch.cuda.is_available():
+        r = run("bench", "--checkpoint-dir", str(tmp_path / "ckpt"))
+        assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and "--model tiny" in r.stderr
+        assert not (tmp_path / "ckpt").exists()
+        r = run("bench", "--device", "cuda", "--model", "tiny")
+        assert r.returncode == 2 and "no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+    r = run("bench", "--repeats", "0")
+    assert r.returncode == 2 and "--repeats: must be an int >= 1, got 0" in r.stderr

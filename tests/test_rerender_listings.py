@@ -16,6 +16,7 @@ def test_a_stale_listing_is_rerendered_and_nothing_else_changes(tmp_path):
     nb_dir.mkdir()
     path = nb_dir / "11_batching.ipynb"
     shutil.copy(ROOT / "notebooks" / "11_batching.ipynb", path)
+    shutil.copy(ROOT / "notebooks" / "gpu_cells.py", nb_dir)  # the setup cell imports it
     (tmp_path / "tests").symlink_to(ROOT / "tests")  # the notebooks import ../tests helpers
     committed = json.loads(path.read_text(encoding="utf-8"))
     assert rerender_listings.rerender(path) == ([], [])  # the committed listings are current: no change
