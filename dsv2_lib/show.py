@@ -78,8 +78,13 @@ def show_source(obj) -> Listing:
     return Listing(text, "python", origin)
 
 
-def show_kernel(name: str) -> Listing:
-    """The CUDA C file ``kernels_cu/<name>`` (``"rmsnorm.cu"``) as a :class:`Listing`.
+def show_kernel(name: str, part: str | None = None, lines: tuple[str, str] | None = None) -> Listing:
+    """The CUDA C file ``kernels_cu/<name>`` (``"rmsnorm.cu"``) as a :class:`Listing`, or one ``part``
+    of it: the definition of the function, struct or namespace of that name (``"moe_align"``), with
+    the comment block and ``template <...>`` line above it, as :func:`_excerpt` cuts it.
+    ``lines = (first, stop)`` narrows that to a stretch of a long definition: from the first line
+    that contains ``first`` up to, not including, the next line that contains ``stop`` (for
+    example two section comments), so a chapter can show one phase of a kernel next to its prose.
 
     ``name`` is a bare file name ending in ``.cu`` or ``.cuh``; anything else, or a file
     that does not exist, raises an error that lists the kernels available.
@@ -92,4 +97,97 @@ def show_kernel(name: str) -> Listing:
         raise FileNotFoundError(
             f"show_kernel: no {name!r} in {KERNEL_DIR}; available: {kernels}"
         )
-    return Listing(path.read_text(encoding="utf-8"), "cuda", f"kernels_cu/{name}")
+    text = path.read_text(encoding="utf-8")
+    if part is None:
+        if lines is not None:
+            raise ValueError("show_kernel: lines=(first, stop) narrows a part; name the part too")
+        return Listing(text, "cuda", f"kernels_cu/{name}")
+    excerpt = _excerpt(text, part, name)
+    if lines is not None:
+        excerpt = _stretch(excerpt, *lines, where=f"{name} · {part}")
+    return Listing(excerpt, "cuda", f"kernels_cu/{name} · {part}")
+
+
+def _stretch(text: str, first: str, stop: str, where: str) -> str:
+    """The lines of ``text`` from the first that contains ``first`` to the next that contains ``stop``
+    (excluded); a marker that is not found is an error naming it."""
+    rows = text.splitlines(keepends=True)
+    try:
+        a = next(i for i, row in enumerate(rows) if first in row)
+        b = next(i for i in range(a + 1, len(rows)) if stop in rows[i])
+    except StopIteration:
+        raise KeyError(f"show_kernel: {where} has no line with {first!r} followed by one with {stop!r}") from None
+    return "".join(rows[a:b])
+
+
+def _blank_comments(code: str) -> str:
+    """``code`` with every comment and string literal replaced by spaces (newlines kept), so that
+    braces and names inside them are not counted; offsets stay those of ``code``."""
+    out, i, n = list(code), 0, len(code)
+    while i < n:
+        two = code[i:i + 2]
+        if two == "//":
+            j = code.find("\n", i)
+            j = n if j < 0 else j
+        elif two == "/*":
+            j = code.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+        elif code[i] == '"':
+            j = i + 1
+            while j < n and code[j] != '"':
+                j += 2 if code[j] == "\\" else 1
+            j += 1
+        else:
+            i += 1
+            continue
+        for k in range(i, min(j, n)):
+            if out[k] != "\n":
+                out[k] = " "
+        i = j
+    return "".join(out)
+
+
+def _excerpt(text: str, part: str, filename: str = "the file") -> str:
+    """The definition of ``part`` in the CUDA source ``text``: the first top-level function,
+    ``struct`` or ``namespace`` of that name that has a body, from its comment block and
+    ``template`` line to its closing brace. Raises ``KeyError`` naming the definitions there are."""
+    import re
+
+    code = _blank_comments(text)
+    depth, parens, tops = 0, 0, []  # names at brace and parenthesis depth 0 start definitions
+    starts = {}
+    pattern = r"[{}()]|\b(?:struct|namespace)\s+(?:alignas\s*\(\s*\d+\s*\)\s*)?(\w+)|\b(\w+)(?=\s*\()"
+    for m in re.finditer(pattern, code):
+        tok = m.group(0)
+        if tok in "{}()":
+            depth += {"{": 1, "}": -1}.get(tok, 0)
+            parens += {"(": 1, ")": -1}.get(tok, 0)
+        elif depth == 0 and parens == 0:
+            word = m.group(1) or m.group(2)
+            if word not in ("if", "for", "while", "switch", "return", "sizeof", "alignas", "defined",
+                            "__launch_bounds__", "static_cast", "reinterpret_cast", "float", "int"):
+                starts.setdefault(word, m.start())
+                tops.append(word)
+    if part not in starts:
+        names = sorted({w for w in tops if not w.startswith("_")})
+        raise KeyError(f"show_kernel: no definition {part!r} in {filename}; top-level names: {names}")
+    at = starts[part]
+    body = code.find("{", at)
+    semicolon = code.find(";", at)
+    if body < 0 or (0 <= semicolon < body):
+        raise KeyError(f"show_kernel: {part!r} in {filename} is declared without a body")
+    depth, end = 0, body
+    for end in range(body, len(code)):
+        depth += {"{": 1, "}": -1}.get(code[end], 0)
+        if depth == 0:
+            break
+    end += 1
+    if code[end:end + 1] == ";":  # struct Foo { ... };
+        end += 1
+    lines = text[:at].split("\n")
+    head = len(lines) - 1  # the definition's own line; then the template line and comments above it
+    while head > 0 and re.match(r"\s*(template\s*<|//|__global__|__device__|static|inline|constexpr)",
+                                lines[head - 1]) and lines[head - 1].strip():
+        head -= 1
+    start = len("\n".join(lines[:head])) + (1 if head else 0)
+    return text[start:end] + "\n"

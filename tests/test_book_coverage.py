@@ -1,8 +1,10 @@
-"""The book covers the whole engine: every public function, class and method of ``dsv2_lib`` and
-every file of ``kernels_cu/`` is shown live (``show_source`` of it, its class or its module, or ``show_kernel``) by exactly one
+"""The book covers the whole engine: every public function, class and method of ``dsv2_lib``, every
+``__global__`` kernel of ``kernels_cu/*.cu`` and every ``.cuh`` header is shown live (``show_source`` of
+it, its class or its module; ``show_kernel`` of its file or of an excerpt that holds it) by exactly one
 chapter, except what ``PENDING`` assigns to a chapter not yet written. PENDING must only shrink:
 when a chapter lands, its entries leave the list (the test fails while a shown item is still listed).
 """
+import ast
 import importlib
 import inspect
 import json
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import dsv2_lib
 from dsv2_lib.kernels import KERNEL_DIR
+from dsv2_lib.show import show_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,6 +48,31 @@ def kernel_files() -> list[str]:
     return sorted(p.name for p in KERNEL_DIR.iterdir() if p.suffix in (".cu", ".cuh"))
 
 
+GLOBAL = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s+)?(\w+)\s*\(")
+
+
+def kernels() -> list[str]:
+    """What the book must show, per kernel file: ``file.cu:kernel`` for each ``__global__`` function of a
+    ``.cu`` file, and each ``.cuh`` header as a whole (its device helpers are shown with their users)."""
+    keys = []
+    for name in kernel_files():
+        text = (KERNEL_DIR / name).read_text()
+        keys += [f"{name}:{k}" for k in GLOBAL.findall(text)] if name.endswith(".cu") else [name]
+    return keys
+
+
+def kernel_shown(call: ast.Call) -> list[str]:
+    """The kernel keys a ``show_kernel(...)`` call shows: every kernel of the file for the whole file,
+    the kernels whose ``__global__`` line is inside an excerpt, the header for any part of a ``.cuh``."""
+    args = [ast.literal_eval(a) for a in call.args]
+    kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    name = args[0]
+    if name.endswith(".cuh"):
+        return [name]
+    text = show_kernel(*args, **kwargs).text
+    return [f"{name}:{k}" for k in GLOBAL.findall(text)]
+
+
 def shows() -> dict[str, set[str]]:
     """item or kernel file -> chapters whose notebook shows it (a shown class covers its methods)."""
     items = public_items()
@@ -53,8 +81,10 @@ def shows() -> dict[str, set[str]]:
     for nb in sorted((ROOT / "notebooks").glob("[0-9A-D]*_*.ipynb")):
         chapter = nb.name.split("_")[0]
         code = "\n".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
-        for f in re.findall(r"show_kernel\(\s*[\"']([^\"']+)[\"']", code):
-            covered[f].add(chapter)
+        for node in ast.walk(ast.parse(code.replace("%%gpu\n", ""))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "show_kernel":
+                for key in kernel_shown(node):
+                    covered[key].add(chapter)
         for expr in re.findall(r"show_source\(\s*([\w.]+)\s*\)", code):
             if expr in modules:  # a whole module: everything in it
                 for k in items:
@@ -85,7 +115,7 @@ def pending_chapter(key: str) -> str | None:
 
 
 def test_pending_entries_are_real_and_name_a_chapter():
-    known = set(public_items()) | set(kernel_files())
+    known = set(public_items()) | set(kernels())
     assert not set(PENDING) - known, f"PENDING names things that do not exist: {sorted(set(PENDING) - known)}"
     assert set(PENDING.values()) <= CHAPTERS
 
@@ -94,7 +124,7 @@ def test_everything_is_shown_by_exactly_one_chapter_or_pending():
     covered = shows()
     items = public_items()
     problems = []
-    for key in sorted(set(items) | set(kernel_files())):
+    for key in sorted(set(items) | set(kernels())):
         chapters = covered.get(key, set())
         is_class = key in items and inspect.isclass(items[key])
         if pending_chapter(key):

@@ -73,3 +73,50 @@ def test_show_kernel_bad_names(tmp_path, monkeypatch):
 def test_listing_language_checked():
     with pytest.raises(ValueError, match="language"):
         Listing("x", "rust", "x.rs")
+
+
+EXCERPT_SRC = """\
+#include "common.cuh"
+namespace k {
+constexpr int N = 4;  // { not a brace }
+}  // namespace k
+
+__device__ float helper(float x);  // a declaration: no body
+
+// Doubles x.
+// Two comment lines belong to it.
+template <typename T>
+__global__ void __launch_bounds__(k::N * 32, f(2)) twice(T* x) {
+    const char* s = "}";  // a brace in a string
+    if (threadIdx.x < 4) { x[threadIdx.x] *= 2; }
+    // ---- phase two
+    x[0] += 1;
+    // ---- end
+}
+
+template <typename T> struct alignas(16) Pair {
+    T a, b;
+};
+"""
+
+
+def test_show_kernel_excerpts_one_definition(tmp_path, monkeypatch):
+    """A part is one definition, its comments and template line included, braces in comments and
+    strings not counted; ``lines`` cuts a stretch between two markers; a wrong name lists the names."""
+    (tmp_path / "x.cu").write_text(EXCERPT_SRC)
+    monkeypatch.setattr(show, "KERNEL_DIR", tmp_path)
+    twice = show_kernel("x.cu", "twice")
+    assert twice.text == EXCERPT_SRC[EXCERPT_SRC.index("// Doubles"):EXCERPT_SRC.index("\ntemplate <typename T> struct")]
+    assert "kernels_cu/x.cu · twice" in _mime(twice)["text/html"]
+    assert show_kernel("x.cu", "Pair").text == "template <typename T> struct alignas(16) Pair {\n    T a, b;\n};\n"
+    assert show_kernel("x.cu", "k").text == "namespace k {\nconstexpr int N = 4;  // { not a brace }\n}\n"
+    assert show_kernel("x.cu", "twice", lines=("---- phase two", "---- end")).text == \
+        "    // ---- phase two\n    x[0] += 1;\n"
+    with pytest.raises(KeyError, match=r"no definition 'thrice' in x.cu; top-level names: \['Pair', 'helper', 'k', 'twice'\]"):
+        show_kernel("x.cu", "thrice")
+    with pytest.raises(KeyError, match="declared without a body"):
+        show_kernel("x.cu", "helper")
+    with pytest.raises(KeyError, match="no line with 'phase three'"):
+        show_kernel("x.cu", "twice", lines=("phase three", "end"))
+    with pytest.raises(ValueError, match="name the part"):
+        show_kernel("x.cu", lines=("a", "b"))
