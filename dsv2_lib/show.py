@@ -78,13 +78,14 @@ def show_source(obj) -> Listing:
     return Listing(text, "python", origin)
 
 
-def show_kernel(name: str, part: str | None = None, lines: tuple[str, str] | None = None) -> Listing:
+def show_kernel(name: str, part: str | None = None, lines: tuple[str, str | None] | None = None) -> Listing:
     """The CUDA C file ``kernels_cu/<name>`` (``"rmsnorm.cu"``) as a :class:`Listing`, or one ``part``
     of it: the definition of the function, struct or namespace of that name (``"moe_align"``), with
     the comment block and ``template <...>`` line above it, as :func:`_excerpt` cuts it.
     ``lines = (first, stop)`` narrows that to a stretch of a long definition: from the first line
     that contains ``first`` up to, not including, the next line that contains ``stop`` (for
-    example two section comments), so a chapter can show one phase of a kernel next to its prose.
+    example two section comments; ``stop = None``: to the end of the part), so a chapter can show one
+    phase of a kernel next to its prose.
 
     ``name`` is a bare file name ending in ``.cu`` or ``.cuh``; anything else, or a file
     that does not exist, raises an error that lists the kernels available.
@@ -108,13 +109,13 @@ def show_kernel(name: str, part: str | None = None, lines: tuple[str, str] | Non
     return Listing(excerpt, "cuda", f"kernels_cu/{name} · {part}")
 
 
-def _stretch(text: str, first: str, stop: str, where: str) -> str:
+def _stretch(text: str, first: str, stop: str | None, where: str) -> str:
     """The lines of ``text`` from the first that contains ``first`` to the next that contains ``stop``
-    (excluded); a marker that is not found is an error naming it."""
+    (excluded), or to the end when ``stop`` is ``None``; a marker that is not found is an error naming it."""
     rows = text.splitlines(keepends=True)
     try:
         a = next(i for i, row in enumerate(rows) if first in row)
-        b = next(i for i in range(a + 1, len(rows)) if stop in rows[i])
+        b = len(rows) if stop is None else next(i for i in range(a + 1, len(rows)) if stop in rows[i])
     except StopIteration:
         raise KeyError(f"show_kernel: {where} has no line with {first!r} followed by one with {stop!r}") from None
     return "".join(rows[a:b])
@@ -156,7 +157,7 @@ def _excerpt(text: str, part: str, filename: str = "the file") -> str:
     code = _blank_comments(text)
     depth, parens, tops = 0, 0, []  # names at brace and parenthesis depth 0 start definitions
     starts = {}
-    pattern = r"[{}()]|\b(?:struct|namespace)\s+(?:alignas\s*\(\s*\d+\s*\)\s*)?(\w+)|\b(\w+)(?=\s*\()"
+    pattern = r"[{}()]|\b(?:struct|namespace)\s+(?:alignas\s*\(\s*\d+\s*\)\s*)?(\w+)|\b(\w+)(?=\s*(?:<[^<>;{}()]*>)?\s*\()"
     for m in re.finditer(pattern, code):
         tok = m.group(0)
         if tok in "{}()":
@@ -166,28 +167,35 @@ def _excerpt(text: str, part: str, filename: str = "the file") -> str:
             word = m.group(1) or m.group(2)
             if word not in ("if", "for", "while", "switch", "return", "sizeof", "alignas", "defined",
                             "__launch_bounds__", "static_cast", "reinterpret_cast", "float", "int"):
-                starts.setdefault(word, m.start())
+                starts.setdefault(word, []).append(m.start())
                 tops.append(word)
     if part not in starts:
         names = sorted({w for w in tops if not w.startswith("_")})
         raise KeyError(f"show_kernel: no definition {part!r} in {filename}; top-level names: {names}")
-    at = starts[part]
-    body = code.find("{", at)
-    semicolon = code.find(";", at)
-    if body < 0 or (0 <= semicolon < body):
+    def body_of(at: int) -> int:  # where the definition's body opens; -1 for a declaration
+        body, semicolon = code.find("{", at), code.find(";", at)
+        return -1 if body < 0 or 0 <= semicolon < body else body
+
+    at = next((a for a in starts[part] if body_of(a) >= 0), None)
+    if at is None:
         raise KeyError(f"show_kernel: {part!r} in {filename} is declared without a body")
+    body = body_of(at)
     depth, end = 0, body
     for end in range(body, len(code)):
         depth += {"{": 1, "}": -1}.get(code[end], 0)
         if depth == 0:
             break
     end += 1
-    if code[end:end + 1] == ";":  # struct Foo { ... };
-        end += 1
+    line_end = text.find("\n", end)
+    end = len(text) if line_end < 0 else line_end  # the rest of the closing line: `};`, a trailing comment
     lines = text[:at].split("\n")
     head = len(lines) - 1  # the definition's own line; then the template line and comments above it
-    while head > 0 and re.match(r"\s*(template\s*<|//|__global__|__device__|static|inline|constexpr)",
-                                lines[head - 1]) and lines[head - 1].strip():
+    def leads_in(row: str) -> bool:  # a comment, or a declarator line that is not a statement of its own
+        return row.lstrip().startswith("//") or (
+            re.match(r"\s*(template\s*<|__global__|__device__|static|inline|constexpr)", row) is not None
+            and ";" not in row and "}" not in row)
+
+    while head > 0 and lines[head - 1].strip() and leads_in(lines[head - 1]):
         head -= 1
     start = len("\n".join(lines[:head])) + (1 if head else 0)
-    return text[start:end] + "\n"
+    return text[start:end].rstrip("\n") + "\n"

@@ -92,6 +92,8 @@ def shows() -> dict[str, set[str]]:
                         covered[k].add(chapter)
                 continue
             key = resolve(expr, items)
+            if key is None:  # a private method, a classmethod or a property: not an item the book must show
+                continue
             covered[key].add(chapter)
             if inspect.isclass(items[key]):
                 for k in items:
@@ -102,9 +104,14 @@ def shows() -> dict[str, set[str]]:
     return covered
 
 
-def resolve(expr: str, items: dict) -> str:
-    """``roofline.parameter_counts``, ``kernels.KernelFile``, ``mla.MLA.decode_attention``, ``show_source`` -> item key."""
+def resolve(expr: str, items: dict) -> str | None:
+    """``roofline.parameter_counts``, ``kernels.KernelFile``, ``mla.MLA.decode_attention``, ``show_source`` -> item
+    key; ``None`` for what the book need not show (``Scheduler._prefill``, a classmethod, a property's ``.func``)."""
     matches = [k for k in items if k == expr or k.endswith("." + expr)]
+    if not matches and any(part.startswith("_") or part == "func" for part in expr.split(".")[1:]):
+        return None
+    if not matches and "." in expr and resolve(expr.rsplit(".", 1)[0], items) is not None:
+        return None  # an attribute of a tracked class that is not a plain method (classmethod, property)
     assert len(matches) == 1, f"show_source({expr}): cannot tell which dsv2_lib object this is ({matches})"
     return matches[0]
 

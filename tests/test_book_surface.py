@@ -3,7 +3,8 @@
 * the table of contents reads the chapters in the order of their numbers;
 * no development history in the prose: no dates, commit hashes, issue numbers, our machines or sessions;
 * every chapter's prose stays within its length budget, and its summary ends with a bridge to the next;
-* the setup cell's code is hidden (its provenance output stays) and no progress bar sits in an output.
+* the setup cell's code is hidden (its provenance output stays) and no progress bar sits in an output;
+* listings are excerpts: a longer one is collapsed.
 """
 import json
 import re
@@ -79,3 +80,20 @@ def test_setup_is_hidden_and_outputs_carry_no_progress_bars(path):
     bars = [i for i, c in enumerate(code) for o in c.get("outputs", [])
             if o["output_type"] == "stream" and re.search(r"\d+%\|", "".join(o["text"]))]
     assert not bars, f"{path.name}: progress bars in the outputs of code cells {sorted(set(bars))}"
+
+
+MAX_LISTING = 70  # lines of an uncollapsed listing: one function or one phase of a kernel beside its prose
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_listings_are_excerpts_and_whole_files_are_collapsed(path):
+    """A listing in the reading flow is an excerpt; anything longer is collapsed (``hide-output``)."""
+    long = []
+    for c in json.loads(path.read_text())["cells"]:
+        source = "".join(c["source"])
+        if c["cell_type"] != "code" or not re.search(r"\bshow_(source|kernel)\(", source):
+            continue
+        text = "".join("".join(o.get("data", {}).get("text/plain", "")) for o in c.get("outputs", []))
+        if len(text.splitlines()) > MAX_LISTING and "hide-output" not in c["metadata"].get("tags", []):
+            long.append(f"{source.splitlines()[-1]}: {len(text.splitlines())} lines")
+    assert not long, f"{path.name}: uncollapsed listings over {MAX_LISTING} lines: {long}"

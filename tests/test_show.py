@@ -82,6 +82,8 @@ constexpr int N = 4;  // { not a brace }
 }  // namespace k
 
 __device__ float helper(float x);  // a declaration: no body
+template <typename T> __device__ T pick(T a);  // declared first ...
+template <> __device__ float pick<float>(float a) { return a; }  // ... defined later: the definition is shown
 
 // Doubles x.
 // Two comment lines belong to it.
@@ -109,13 +111,15 @@ def test_show_kernel_excerpts_one_definition(tmp_path, monkeypatch):
     assert twice.text == EXCERPT_SRC[EXCERPT_SRC.index("// Doubles"):EXCERPT_SRC.index("\ntemplate <typename T> struct")]
     assert "kernels_cu/x.cu · twice" in _mime(twice)["text/html"]
     assert show_kernel("x.cu", "Pair").text == "template <typename T> struct alignas(16) Pair {\n    T a, b;\n};\n"
-    assert show_kernel("x.cu", "k").text == "namespace k {\nconstexpr int N = 4;  // { not a brace }\n}\n"
+    assert show_kernel("x.cu", "pick").text == "template <> __device__ float pick<float>(float a) { return a; }  // ... defined later: the definition is shown\n"
+    assert show_kernel("x.cu", "k").text == "namespace k {\nconstexpr int N = 4;  // { not a brace }\n}  // namespace k\n"
     assert show_kernel("x.cu", "twice", lines=("---- phase two", "---- end")).text == \
         "    // ---- phase two\n    x[0] += 1;\n"
-    with pytest.raises(KeyError, match=r"no definition 'thrice' in x.cu; top-level names: \['Pair', 'helper', 'k', 'twice'\]"):
+    with pytest.raises(KeyError, match=r"no definition 'thrice' in x.cu; top-level names: \['Pair', 'helper', 'k', 'pick', 'twice'\]"):
         show_kernel("x.cu", "thrice")
     with pytest.raises(KeyError, match="declared without a body"):
         show_kernel("x.cu", "helper")
+    assert show_kernel("x.cu", "twice", lines=("---- end", None)).text == "    // ---- end\n}\n"
     with pytest.raises(KeyError, match="no line with 'phase three'"):
         show_kernel("x.cu", "twice", lines=("phase three", "end"))
     with pytest.raises(ValueError, match="name the part"):
