@@ -1,0 +1,211 @@
+"""The "Build it" exercises cannot rot: each chapter's hidden solution passes its autograder, a planted
+wrong answer fails with a message that names the case and what differs, and a swapped-in piece really
+runs inside the engine."""
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv2_lib import moe, norm, rope, sampling
+from dsv2_lib.exercises import EXERCISES, check, generate_with, grade, merge_splits_reference, swapped
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def solutions() -> dict[str, tuple[str, object]]:
+    """exercise name -> (chapter file, the function its solution cell defines): the cells tagged
+    ``solution`` are run in a fresh namespace (with torch), and ``check("name", fn)`` in them names both."""
+    found = {}
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] != "code" or "solution" not in cell["metadata"].get("tags", []):
+                continue
+            source = "".join(cell["source"])
+            for call in [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)]:
+                if getattr(call.func, "id", "") == "check":
+                    name, fn_name = ast.literal_eval(call.args[0]), call.args[1].id
+                    namespace = {"torch": torch, "check": lambda *a, **k: True}
+                    exec(compile(source, f"{path.name} solution", "exec"), namespace)
+                    found[name] = (path.name, namespace[fn_name])
+    return found
+
+
+SOLUTIONS = solutions()
+
+
+def test_every_exercise_has_a_solution_in_its_chapter():
+    assert set(SOLUTIONS) == set(EXERCISES)
+    for name, (chapter, _) in SOLUTIONS.items():
+        assert chapter.startswith(EXERCISES[name].chapter + "_"), f"{name}: solution in {chapter}"
+
+
+@pytest.mark.parametrize("name", sorted(EXERCISES))
+def test_the_solution_passes(name, capsys):
+    passed, line = grade(name, SOLUTIONS[name][1])
+    assert passed and line.startswith(f"✓ {name}: all "), line
+    check(name, SOLUTIONS[name][1])
+    assert capsys.readouterr().out == line + "\n"
+
+
+_ref_rms, _ref_route, _ref_filter = norm.rms_norm_reference, moe.route, sampling.filter_logits
+
+
+def _no_weight(x, weight, eps):
+    return _ref_rms(x, torch.ones_like(weight), eps)
+
+
+def _halves_rope(q_pe, k_pe, positions, cache):  # rotates (x[i], x[i + d/2]): the NeoX pairing, not DeepSeek's
+    cos, sin = cache[positions].chunk(2, dim=-1)
+    for x, c, s in ((q_pe, cos[:, None], sin[:, None]), (k_pe, cos, sin)):
+        a, b = x.float().chunk(2, dim=-1)
+        x.copy_(torch.cat((a * c - b * s, a * s + b * c), dim=-1))
+
+
+def _softmax_after_topk(logits, cfg):  # picks by logit, then softmax over the k picked only
+    values, ids = logits.float().sort(dim=-1, descending=True, stable=True)
+    return values[:, :cfg.num_experts_per_tok].softmax(-1), ids[:, :cfg.num_experts_per_tok]
+
+
+def _unpadded_align(ids, n_experts, block):
+    return moe.moe_align_reference(ids, n_experts, 1)
+
+
+def _top_p_inclusive(logits, params):  # drops the token that crosses top_p instead of keeping it
+    logits = logits.float() / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        logits = logits.masked_fill(logits < logits.topk(params.top_k).values[-1], float("-inf"))
+    if params.top_p < 1:
+        sorted_logits, order = logits.sort(descending=True)
+        drop = sorted_logits.softmax(-1).cumsum(-1) > params.top_p
+        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def _plain_average(o, lse):
+    return o.mean(dim=0)
+
+
+def _no_overlap_check(path):  # parses well, but accepts overlapping tensors
+    from dsv2_lib.safetensors_io import SafetensorsFormatError, read_header
+    try:
+        return read_header(path)
+    except SafetensorsFormatError as e:
+        if "overlaps" not in str(e):
+            raise
+        return 0, {}, {}
+
+
+def _wrapping_embedding(ids, weight):  # a negative id wraps around to the last rows instead of failing
+    return weight[ids.long()]
+
+
+def _whole_slabs_only(a, b, tile=16):  # drops the last, narrower slab of K
+    K = a.shape[1] // tile * tile
+    return (a[:, :K].float() @ b[:K].float()).to(a.dtype)
+
+
+def _no_rescale(q, k, v, scale, tile=16):  # forgets exp(m_old - m_new) when the running max grows
+    m, l, acc = torch.full((q.shape[0],), float("-inf")), torch.zeros(q.shape[0]), torch.zeros(q.shape[0], v.shape[1])
+    for j in range(0, k.shape[0], tile):
+        s = q @ k[j:j + tile].T * scale
+        m = torch.maximum(m, s.max(dim=1).values)
+        p = torch.exp(s - m[:, None])
+        l, acc = l + p.sum(dim=1), acc + p @ v[j:j + tile]
+    return acc / l[:, None]
+
+
+def _swapped_halves(x):  # silu(up) * gate
+    i = x.shape[-1] // 2
+    return (torch.nn.functional.silu(x[..., i:].float()) * x[..., :i].float()).to(x.dtype)
+
+
+def _no_rope_part(q_nope, q_pe, w_k, dtype):  # the latent query alone, without q_pe
+    return torch.einsum("thn,hnc->thc", q_nope.to(dtype), w_k.to(dtype))
+
+
+def _reserves_one_row_too_many(num_blocks, block_size, running, prompt_len, max_tokens):  # forgets the -1
+    blocks = lambda rows: -(-rows // block_size)  # noqa: E731
+    return sum(blocks(m) for _, m in running) + blocks(prompt_len + max_tokens) <= num_blocks
+
+
+def _ignores_the_table(block_table, positions, block_size):  # contiguous slots, as if blocks were 0, 1, 2, ...
+    return list(positions)
+
+
+PLANTED = {"read_header": (_no_overlap_check, "must be refused"), "embedding": (_wrapping_embedding, "must be refused"),
+           "tiled_matmul": (_whole_slabs_only, "expected"), "online_attention": (_no_rescale, "expected"),
+           "silu_and_mul": (_swapped_halves, "expected"), "absorbed_query": (_no_rope_part, "shape"),
+           "slot_mapping": (_ignores_the_table, "expected"), "reserve_admits": (_reserves_one_row_too_many, "expected"),
+           "rms_norm": (_no_weight, "the result"), "rope": (_halves_rope, "the result"),
+           "route": (_softmax_after_topk, "the result[0]"), "moe_align": (_unpadded_align, "shape"),
+           "filter_logits": (_top_p_inclusive, "expected"), "merge_splits": (_plain_average, "expected")}
+
+
+@pytest.mark.parametrize("name", sorted(EXERCISES))
+def test_a_planted_wrong_answer_fails_with_a_useful_message(name):
+    wrong, words = PLANTED[name]
+    passed, line = grade(name, wrong)
+    assert not passed
+    assert re.match(rf"✗ {name}, case \d+ of \d+ \(.+\): ", line) and words in line, line
+    assert "Traceback" not in line
+
+
+def test_the_skeleton_and_a_crash_are_reported_in_words():
+    def skeleton(x, weight, eps):
+        raise NotImplementedError
+
+    assert grade("rms_norm", skeleton) == (False, "✗ rms_norm: not implemented yet (the skeleton still raises "
+                                                  "NotImplementedError)")
+    passed, line = grade("rms_norm", lambda x, weight, eps: torch.cat([x, weight]))
+    assert not passed and "case 1 of" in line and "raised RuntimeError" in line, line
+    with pytest.raises(KeyError, match="no exercise 'norm'; the exercises are"):
+        grade("norm", skeleton)
+
+
+def test_merge_splits_reference_is_the_softmax_over_the_whole_context():
+    """Splitting scores into slices and merging their partial softmaxes gives the softmax over all."""
+    g = torch.Generator().manual_seed(0)
+    scores, values = torch.randn(3, 20, generator=g), torch.randn(20, 8, generator=g)
+    want = scores.softmax(-1) @ values
+    cuts = [(0, 7), (7, 8), (8, 20)]
+    o = torch.stack([scores[:, a:b].softmax(-1) @ values[a:b] for a, b in cuts])
+    lse = torch.stack([scores[:, a:b].logsumexp(-1) for a, b in cuts])
+    assert torch.allclose(merge_splits_reference(o, lse), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in EXERCISES.items() if e.engine))
+def test_the_engine_calls_every_swappable_piece(name):
+    """generate_with is no demonstration unless the tiny model really runs the reader's function."""
+    import importlib
+
+    module, attr = EXERCISES[name].engine.split(":")
+    own = getattr(importlib.import_module(module), attr)
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return own(*args, **kwargs)
+
+    assert "identical to the engine's own" in generate_with(name, spy, max_tokens=2)
+    assert calls, f"the engine never called {EXERCISES[name].engine}"
+    assert getattr(importlib.import_module(module), attr) is own
+
+
+def test_swapped_replaces_the_engine_function_and_restores_it():
+    calls = []
+
+    def spy(x, weight, eps):
+        calls.append(x.shape)
+        return _ref_rms(x, weight, eps)
+
+    assert "identical to the engine's own" in generate_with("rms_norm", spy, max_tokens=3)
+    assert calls, "the engine never called the swapped-in function"
+    assert norm.rms_norm_reference is _ref_rms and moe.route is _ref_route and sampling.filter_logits is _ref_filter
+    assert "part from the engine's at token" in generate_with("rms_norm", _no_weight, max_tokens=8)
+    with pytest.raises(ValueError, match="no engine function"):
+        with swapped("moe_align", _unpadded_align):
+            pass
+    assert rope.apply_rope_reference_ is not _halves_rope
