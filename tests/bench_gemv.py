@@ -10,13 +10,12 @@ projection. JSON to ``$DSV2_RESULTS_DIR`` (default /tmp) as ``bench_gemv.json``.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
-from bench_mla_decode import copy_bandwidth, rotated, save
+from bench_mla_decode import copy_bandwidth, kernel_device, rotated, save
 
 from dsv2_lib import benchmark
 from dsv2_lib.gemv import GEMV_MAX_TOKENS, TOKENS_COMPILED, linear
@@ -27,11 +26,10 @@ ATTENTION = ("q_proj", "kv_a_proj", "o_proj")
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("no GPU: nothing to measure")
+    dev = kernel_device()
+    if dev is None:
         return 0
-    os.environ.setdefault("DSV2_BACKEND", "cuda")
-    dev, t0, results = torch.device("cuda"), time.time(), []
+    t0, results = time.time(), []
     print(f"{'projection':>12} {'MB':>6} {'T':>2} | {'cuBLAS µs':>9} {'% copy':>6} | {'GEMV µs':>8} {'% copy':>6} | speed-up")
     wins = {t: True for t in range(1, TOKENS_COMPILED + 1)}
     for name, (n, k) in SHAPES.items():

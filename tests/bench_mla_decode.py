@@ -65,12 +65,20 @@ def batched_torch(q, rows):
     return torch.bmm(p, rows[..., :DL]).float()
 
 
-def main() -> int:
+def kernel_device() -> torch.device | None:
+    """The GPU the kernel benchmarks measure on, every op forced to its kernel (``DSV2_BACKEND=cuda``);
+    ``None``, after saying so, on a machine without one."""
     if not torch.cuda.is_available():
         print("no GPU: nothing to measure")
-        return 0
+        return None
     os.environ.setdefault("DSV2_BACKEND", "cuda")
-    dev = torch.device("cuda")
+    return torch.device("cuda")
+
+
+def main() -> int:
+    dev = kernel_device()
+    if dev is None:
+        return 0
     t_start = time.time()
     results = []
     rows = []

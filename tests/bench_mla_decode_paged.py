@@ -12,13 +12,12 @@ rotated so that L2 cannot serve them. Then, at the end-to-end bench's contexts (
 """
 from __future__ import annotations
 
-import os
 import random
 import sys
 import time
 
 import torch
-from bench_mla_decode import copy_bandwidth, rotated, save
+from bench_mla_decode import copy_bandwidth, kernel_device, rotated, save
 
 from dsv2_lib import benchmark
 from dsv2_lib.mla_decode import MIN_TILES_PER_SPLIT, STAGES, mla_decode_paged, mla_decode_paged_reference
@@ -97,11 +96,10 @@ def serving(dev, g) -> list[dict]:
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("no GPU: nothing to measure")
+    dev = kernel_device()
+    if dev is None:
         return 0
-    os.environ.setdefault("DSV2_BACKEND", "cuda")
-    dev, t0, results = torch.device("cuda"), time.time(), []
+    t0, results = time.time(), []
     g = torch.Generator().manual_seed(1)
     print(f"{'batch':>18} {'MB':>7} | {'balanced µs (stages ' + ','.join(map(str, STAGES)) + ')':>36} "
           f"{'% copy':>7} | {'uniform µs':>10} {'% copy':>7} | {'in order µs':>10} {'% copy':>7} | {'copy GB/s':>9}")
