@@ -1,7 +1,7 @@
 """The book covers the whole engine: every public function, class and method of ``dsv2_lib``, every
-``__global__`` kernel of ``kernels_cu/*.cu`` and every ``.cuh`` header is shown live (``show_source`` of
-it, its class or its module; ``show_kernel`` of its file or of an excerpt that holds it) by exactly one
-chapter, except what ``PENDING`` assigns to a chapter not yet written. PENDING must only shrink:
+``__global__`` kernel of ``kernels_cu/*.cu`` is shown live (``show_source`` of it, its class or its
+module; ``show_kernel`` of its file or of an excerpt that holds it) by exactly one chapter, and every
+``.cuh`` header by at least one (its helpers serve several chapters), except what ``PENDING`` assigns to a chapter not yet written. PENDING must only shrink:
 when a chapter lands, its entries leave the list (the test fails while a shown item is still listed).
 """
 import ast
@@ -139,6 +139,6 @@ def test_everything_is_shown_by_exactly_one_chapter_or_pending():
                 problems.append(f"{key}: shown in chapter {sorted(chapters)} but still PENDING for {pending_chapter(key)}")
         elif not chapters:
             problems.append(f"{key}: shown by no chapter (show it, or add it to PENDING with its chapter)")
-        elif len(chapters) > 1 and not is_class:
+        elif len(chapters) > 1 and not is_class and not key.endswith(".cuh"):  # a header's helpers serve many chapters
             problems.append(f"{key}: shown by chapters {sorted(chapters)}; one chapter owns it")
     assert not problems, "\n".join(problems)
