@@ -10,9 +10,10 @@ Each chapter's "Build it" section gives a skeleton (signature, docstring with sh
 ``check`` runs the reader's function and the reference on the same inputs, random and edge cases, and
 prints the first case that differs: its description, then what is wrong (an exception, the shape,
 the dtype, or the first element outside the tolerance with expected and got); it never raises for a
-wrong answer. ``grade`` returns the verdict as ``(passed, line)`` instead. ``swapped`` replaces the reference function in every
-``dsv2_lib`` module that refers to it, and restores it on exit; on a GPU the engine runs its CUDA
-kernels instead, so run the engine on the CPU (or with ``DSV2_BACKEND=torch``) to exercise your piece.
+wrong answer; ``grade`` returns the verdict as ``(passed, line)`` instead. ``swapped`` replaces the
+reference function in every ``dsv2_lib`` module that refers to it, and restores it on exit; on a GPU
+the engine runs its CUDA kernels instead, so run the engine on the CPU (or with
+``DSV2_BACKEND=torch``) to exercise your piece; ``generate_with`` does that with the tiny model.
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ import torch
 from . import embedding, gemm, mla_absorb, mlp, moe, norm, rope, safetensors_io, sampling
 from .config import TINY
 from .sampling import SamplingParams
+
+__all__ = ["EXERCISES", "check", "grade", "swapped", "generate_with", "merge_splits_reference",
+           "attention_reference", "reserve_admits_reference", "slot_mapping_reference"]
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,25 @@ def swapped(name: str, fn: Callable) -> Iterator[None]:
     finally:
         for mod, key in patched:
             setattr(mod, key, original)
+
+
+def generate_with(name: str, fn: Callable, prompt: str = "To be, or not", max_tokens: int = 16) -> str:
+    """Greedy text from the tiny model on the CPU, with the engine's own function and then with ``fn``
+    swapped in for exercise ``name``: one sentence saying whether the tokens are identical, or at
+    which token they part."""
+    from .llm import LLM
+
+    llm = LLM("tiny", device="cpu")
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    ours = llm.generate(prompt, params)[0]
+    with swapped(name, fn):
+        yours = llm.generate(prompt, params)[0]
+    if yours.token_ids == ours.token_ids:
+        return f"{len(yours.token_ids)} tokens through your {name}, identical to the engine's own: {prompt!r} -> {yours.text!r}"
+    at = next((i for i, (a, b) in enumerate(zip(yours.token_ids, ours.token_ids)) if a != b),
+              min(len(yours.token_ids), len(ours.token_ids)))
+    return (f"through your {name} the tokens part from the engine's at token {at}: yours {yours.text!r}, "
+            f"the engine's {ours.text!r}")
 
 
 # ---- the exercises' inputs ------------------------------------------------------------------------------
@@ -435,25 +458,3 @@ EXERCISES: dict[str, _Exercise] = {e.name: e for e in [
     _Exercise("filter_logits", "09", sampling.filter_logits, _filter_cases),
     _Exercise("merge_splits", "13", merge_splits_reference, _merge_cases),
 ]}
-
-__all__ = ["EXERCISES", "check", "grade", "swapped", "generate_with", "merge_splits_reference",
-           "attention_reference", "reserve_admits_reference", "slot_mapping_reference"]
-
-
-def generate_with(name: str, fn: Callable, prompt: str = "To be, or not", max_tokens: int = 16) -> str:
-    """Greedy text from the tiny model on the CPU, with the engine's own function and then with ``fn``
-    swapped in for exercise ``name``: one sentence saying whether the tokens are identical, or at
-    which token they part."""
-    from .llm import LLM
-
-    llm = LLM("tiny", device="cpu")
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    ours = llm.generate(prompt, params)[0]
-    with swapped(name, fn):
-        yours = llm.generate(prompt, params)[0]
-    if yours.token_ids == ours.token_ids:
-        return f"{len(yours.token_ids)} tokens through your {name}, identical to the engine's own: {prompt!r} -> {yours.text!r}"
-    at = next((i for i, (a, b) in enumerate(zip(yours.token_ids, ours.token_ids)) if a != b),
-              min(len(yours.token_ids), len(ours.token_ids)))
-    return (f"through your {name} the tokens part from the engine's at token {at}: yours {yours.text!r}, "
-            f"the engine's {ours.text!r}")
