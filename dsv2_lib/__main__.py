@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return bench_command(args)
 
-    from .llm import LLM
-    from .sampling import SamplingParams
+    from dsv2_lib.engine.llm import LLM
+    from dsv2_lib.engine.sampling import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_bench_parser(sub) -> None:
-    from .bench import BenchConfig
+    from dsv2_lib.tools.bench import BenchConfig
 
     d = BenchConfig()
     b = sub.add_parser("bench", help="prefill and decode throughput, ours vs transformers (same weights, same prompts)",
@@ -125,7 +125,7 @@ def add_bench_parser(sub) -> None:
 def bench_command(args) -> int:
     import torch
 
-    from .bench import BenchConfig, run, save, table
+    from dsv2_lib.tools.bench import BenchConfig, run, save, table
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):

@@ -6,7 +6,7 @@
   marker added here is honoured by pytest before the cell is sent to the kernel. A ``gpu`` cell
   never defines a name that a later cell needs, so skipping it is safe.
 * Only ``text/plain`` (plus streams) is compared in checked cells, not ``text/html``: the HTML of
-  a :func:`dsv2_lib.show.show_source` listing is Pygments' rendering of the same text and varies
+  a :func:`dsv2_lib.tools.show.show_source` listing is Pygments' rendering of the same text and varies
   with the Pygments version, while the plain text is the source itself.
 """
 import pytest

@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from dsv2_lib.show import Listing
+from dsv2_lib.tools.show import Listing
 
 
 def _lines(text: str) -> list[str]:

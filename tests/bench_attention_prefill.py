@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from dsv2_lib import attention
-from dsv2_lib.benchmark import time_cuda, time_cuda_graph
+from dsv2_lib.ops import attention
+from dsv2_lib.tools.benchmark import time_cuda, time_cuda_graph
 
 H, SCALE = 16, 0.114721
 SHAPES = [(1, 256), (1, 512), (8, 512), (1, 1024), (1, 4096), (8, 4096)]

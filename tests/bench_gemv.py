@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from bench_mla_decode import copy_bandwidth, kernel_device, rotated, save
 
-from dsv2_lib import benchmark
-from dsv2_lib.gemv import GEMV_MAX_TOKENS, TOKENS_COMPILED, linear
+from dsv2_lib.ops.gemv import GEMV_MAX_TOKENS, TOKENS_COMPILED, linear
+from dsv2_lib.tools import benchmark
 
 SHAPES = {"q_proj": (3072, 2048), "kv_a_proj": (576, 2048), "o_proj": (2048, 2048),
           "mlp gate_up": (21888, 2048), "mlp down": (2048, 10944), "lm_head": (102400, 2048)}

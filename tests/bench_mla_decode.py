@@ -28,10 +28,9 @@ from pathlib import Path
 
 import torch
 
-from dsv2_lib import benchmark
-from dsv2_lib import mla_decode as mla_mod
-from dsv2_lib.mla_decode import (STAGES, mla_decode, mla_decode_counters, mla_decode_reference,
-                                 mla_decode_workspace)
+from dsv2_lib.ops import mla_decode as mla_mod
+from dsv2_lib.ops.mla_decode import STAGES, mla_decode, mla_decode_counters, mla_decode_reference, mla_decode_workspace
+from dsv2_lib.tools import benchmark
 
 H, DL, DR, SCALE = 16, 512, 64, 0.1147
 BARS = [(64, 4096), (1, 32768)]

@@ -19,8 +19,8 @@ import time
 import torch
 from bench_mla_decode import copy_bandwidth, kernel_device, rotated, save
 
-from dsv2_lib import benchmark
-from dsv2_lib.mla_decode import MIN_TILES_PER_SPLIT, STAGES, mla_decode_paged, mla_decode_paged_reference
+from dsv2_lib.ops.mla_decode import MIN_TILES_PER_SPLIT, STAGES, mla_decode_paged, mla_decode_paged_reference
+from dsv2_lib.tools import benchmark
 
 H, DL, DR, SCALE, BLOCK = 16, 512, 64, 0.1147, 16
 BARS = {"1x32768": [32768], "32x4096": [4096] * 32, "128x1024": [1024] * 128}

@@ -9,7 +9,7 @@ V2-Lite's shape: 64 routed experts x 1408, top-6, 2 shared experts, hidden 2048,
    of a call from Python), transformers' DeepseekV2Moe, and the PyTorch baseline (our reference
    ``routed_experts`` + the shared MLP): ms, TFLOP/s (routed + shared FLOPs / time) and, at 1 and 32
    tokens, the weight-read time of the experts touched at the measured copy bandwidth.
-2. The regimes behind the thresholds in dsv2_lib/moe.py (GEMV_MAX_TOKENS, SKINNY_MAX_TOKENS,
+2. The regimes behind the thresholds in dsv2_lib/model/moe.py (GEMV_MAX_TOKENS, SKINNY_MAX_TOKENS,
    GROUPED_MM_MIN_TOKENS): routed experts alone (``moe_experts``) with each path forced, at 1 ... 4096
    tokens: the per-choice GEMV (first version), the grouped GEMV (each expert read once), the skinny
    GEMM, our mma GEMM, torch._grouped_mm; and the thresholds this sweep recommends.
@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from dsv2_lib import moe
-from dsv2_lib.benchmark import time_cuda, time_cuda_graph
-from dsv2_lib.config import DEEPSEEK_V2_LITE as CFG
-from dsv2_lib.moe import MoE, routed_experts, route
-from dsv2_lib.weights import default_dtype
+from dsv2_lib.core.config import DEEPSEEK_V2_LITE as CFG
+from dsv2_lib.core.dtypes import default_dtype
+from dsv2_lib.model import moe
+from dsv2_lib.model.moe import MoE, route, routed_experts
+from dsv2_lib.tools.benchmark import time_cuda, time_cuda_graph
 
 SIZES = (1, 32, 512, 4096)
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-import dsv2_lib.llm as llm_module
-from dsv2_lib import bench
-from dsv2_lib.config import DEEPSEEK_V2_LITE as CFG
-from dsv2_lib.kv_cache import PagedBatch, PagedLatentCache
+import dsv2_lib.engine.llm as llm_module
+from dsv2_lib.core.config import DEEPSEEK_V2_LITE as CFG
+from dsv2_lib.model.cache import PagedBatch, PagedLatentCache
+from dsv2_lib.tools import bench
 
 PROMPT, BLOCK, REPEATS = 512, 16, 7
 

@@ -60,10 +60,13 @@ def gpu_test_files() -> list[Path]:
 
 def _imported_modules(path: Path, package: str | None) -> set[str]:
     """The ``dsv2_lib`` modules that the file at ``path`` imports (``package``: its own package's
-    dotted name for relative imports, ``None`` outside the library), read from its syntax tree."""
+    dotted name for relative imports, ``None`` outside the library), read from its syntax tree; a
+    module named in a string (the package face's lazy imports, ``importlib.import_module``) counts."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"dsv2_lib(\.\w+)+", node.value):
+            found.add(node.value)
+        elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
@@ -107,7 +110,7 @@ def gpu_tested_modules() -> list[Path]:
 def kernel_sources() -> list[Path]:
     """What a GPU gate run validates: kernels_cu/ and every engine module the GPU tests import (the
     kernel wrappers, and the model, cache, scheduler and engine loop that the full-size tests run)."""
-    cu = sorted(p for p in (ROOT / "kernels_cu").iterdir() if p.suffix in (".cu", ".cuh"))
+    cu = sorted(p for p in (ROOT / "kernels_cu").rglob("*") if p.suffix in (".cu", ".cuh"))
     return cu + gpu_tested_modules()
 
 
@@ -168,7 +171,7 @@ RACE = re.compile(r"(Error|Warning): Race reported between \w+ access at (.+?)\+
 def our_kernels() -> set[str]:
     """The names of every ``__global__`` function in kernels_cu/."""
     names = set()
-    for cu in (ROOT / "kernels_cu").glob("*.cu"):
+    for cu in (ROOT / "kernels_cu").rglob("*.cu"):
         names |= set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s+)?(\w+)\s*\(",
                                 cu.read_text()))  # launch bounds may call a constexpr function: f(x)
     return names

@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv2_lib.mlp import MLP, silu_and_mul, silu_and_mul_reference
-from dsv2_lib.weights import default_dtype
+from dsv2_lib.core.dtypes import default_dtype
+from dsv2_lib.model.mlp import MLP
+from dsv2_lib.ops.activation import silu_and_mul, silu_and_mul_reference
 
 
 def test_reference_definition_fp64():

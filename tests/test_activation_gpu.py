@@ -15,8 +15,8 @@ import os
 import pytest
 import torch
 
-from dsv2_lib import kernels
-from dsv2_lib.mlp import silu_and_mul, silu_and_mul_reference
+from dsv2_lib.core import kernels
+from dsv2_lib.ops.activation import silu_and_mul, silu_and_mul_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 

@@ -11,10 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from dsv2_lib import attention
-from dsv2_lib.attention import (prefill_attention, prefill_attention_reference, prefill_backend, seqlens,
-                                tile_schedule)
-from dsv2_lib.mla import causal_attention
+from dsv2_lib.ops import attention
+from dsv2_lib.ops.attention import (
+    causal_attention,
+    prefill_attention,
+    prefill_attention_reference,
+    prefill_backend,
+    seqlens,
+    tile_schedule,
+)
 
 SCALE = 0.114721
 

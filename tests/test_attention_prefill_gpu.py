@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from dsv2_lib import attention
-from dsv2_lib.attention import prefill_attention, prefill_attention_reference
+from dsv2_lib.ops import attention
+from dsv2_lib.ops.attention import prefill_attention, prefill_attention_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 
@@ -125,9 +125,9 @@ def test_engine_prefill_uses_the_packed_path(monkeypatch):
     """MLA.prefill_attention on CUDA (packed, one kv_b_proj GEMM, our kernel) equals its reference loop."""
     from dataclasses import replace
 
-    from dsv2_lib.config import DEEPSEEK_V2_LITE
-    from dsv2_lib.kv_cache import SequenceBatch
-    from dsv2_lib.mla import MLA
+    from dsv2_lib.core.config import DEEPSEEK_V2_LITE
+    from dsv2_lib.model.cache import SequenceBatch
+    from dsv2_lib.model.mla import MLA
 
     cfg = replace(DEEPSEEK_V2_LITE, hidden_size=256)  # V2-Lite's attention shapes, a small hidden size
     torch.manual_seed(0)

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import torch
 
-from dsv2_lib import LLM, bench
-from dsv2_lib.block_manager import block_bytes
-from dsv2_lib.config import TINY
+from dsv2_lib import LLM
+from dsv2_lib.core.config import TINY
+from dsv2_lib.model.cache import block_bytes
+from dsv2_lib.tools import bench
 
 
 def test_bench_runs_both_engines_and_writes_json_and_plot(tmp_path):
@@ -77,7 +78,7 @@ def test_every_timed_run_of_ours_computes_its_prompts():
 def test_the_record_names_the_measured_sources(tmp_path):
     """bench.json carries a hash of the engine's sources, which changes with any of them (the commit
     field alone can be wrong when the bench runs in a copy of the working tree)."""
-    root = Path(bench.__file__).resolve().parent.parent
+    root = Path(bench.__file__).resolve().parents[2]
     copy = tmp_path / "copy"
     shutil.copytree(root / "dsv2_lib", copy / "dsv2_lib", ignore=shutil.ignore_patterns("__pycache__", "assets"))
     shutil.copytree(root / "kernels_cu", copy / "kernels_cu")

@@ -44,7 +44,7 @@ MEASURED_SKINNY = [(1, 0.038, 0.0491, 0.0673, 0.1747, 0.0792), (2, 0.0658, 0.078
 
 
 def test_the_measured_sweep_with_the_skinny_gemm_recommends_the_engine_thresholds():
-    import dsv2_lib.moe as moe
+    import dsv2_lib.model.moe as moe
 
     rec = recommend(sweep(MEASURED_SKINNY, ("gemv_choice", "gemv", "skinny", "mma", "grouped_mm")))
     assert rec == {"GEMV_MAX_TOKENS": 4, "GEMV_KERNEL": "per_choice", "SKINNY_MAX_TOKENS": 128, "GROUPED_MM_MIN_TOKENS": 1}

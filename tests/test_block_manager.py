@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv2_lib.block_manager import PENDING, BlockManager, BlockPoolExhausted, block_bytes, block_hash, blocks_in_mib
-from dsv2_lib.config import DEEPSEEK_V2_LITE
-
+from dsv2_lib.core.config import DEEPSEEK_V2_LITE
+from dsv2_lib.engine.block_manager import PENDING, BlockManager, BlockPoolExhausted, block_hash
+from dsv2_lib.model.cache import block_bytes, blocks_in_mib
 
 # ---- sizing -------------------------------------------------------------------------------------
 

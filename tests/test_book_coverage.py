@@ -14,8 +14,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import dsv2_lib
-from dsv2_lib.kernels import KERNEL_DIR
-from dsv2_lib.show import show_kernel
+from dsv2_lib.core.kernels import KERNEL_DIR
+from dsv2_lib.tools.show import show_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,24 +28,25 @@ CHAPTERS = {f"{i:02d}" for i in range(15)} | set("ABCD")
 def public_items() -> dict[str, object]:
     """``module.name`` (and ``module.Class.method``) -> object, for everything public in dsv2_lib."""
     items = {}
-    for info in pkgutil.iter_modules(dsv2_lib.__path__):
-        if info.name.startswith("_"):
+    for info in pkgutil.walk_packages(dsv2_lib.__path__, "dsv2_lib."):
+        short = info.name.rpartition(".")[2]  # module names are unique across the layers
+        if short.startswith("_") or info.ispkg:
             continue
-        module = importlib.import_module(f"dsv2_lib.{info.name}")
+        module = importlib.import_module(info.name)
         for name, obj in vars(module).items():
             if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
                 continue
             if inspect.isfunction(obj) or inspect.isclass(obj):
-                items[f"{info.name}.{name}"] = obj
+                items[f"{short}.{name}"] = obj
             if inspect.isclass(obj):
                 for meth, fn in vars(obj).items():
                     if not meth.startswith("_") and inspect.isfunction(fn):
-                        items[f"{info.name}.{name}.{meth}"] = fn
+                        items[f"{short}.{name}.{meth}"] = fn
     return items
 
 
 def kernel_files() -> list[str]:
-    return sorted(p.name for p in KERNEL_DIR.iterdir() if p.suffix in (".cu", ".cuh"))
+    return sorted(p.relative_to(KERNEL_DIR).as_posix() for p in KERNEL_DIR.rglob("*") if p.suffix in (".cu", ".cuh"))
 
 
 GLOBAL = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s+)?(\w+)\s*\(")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsv2_lib.cache_write import WARPS, write_cache_rows, write_cache_rows_reference
+from dsv2_lib.ops.cache_write import WARPS, write_cache_rows, write_cache_rows_reference
 
 
 def emulate_write(cache, rows, slot_mapping, vec_elems):

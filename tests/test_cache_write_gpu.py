@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from dsv2_lib import kernels
-from dsv2_lib.cache_write import write_cache_rows, write_cache_rows_reference
-from dsv2_lib.kv_cache import PagedBatch
-from dsv2_lib.mla import write_latent_cache
+from dsv2_lib.core import kernels
+from dsv2_lib.model.cache import PagedBatch
+from dsv2_lib.model.mla import write_latent_cache
+from dsv2_lib.ops.cache_write import write_cache_rows, write_cache_rows_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -2,7 +2,7 @@
 import pytest
 
 from dsv2_lib import LLM
-from dsv2_lib.tokenizer import BOS, EOS, apply_chat_template
+from dsv2_lib.core.tokenizer import BOS, EOS, apply_chat_template
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},

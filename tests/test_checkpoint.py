@@ -18,11 +18,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dsv2_lib import LLM
-from dsv2_lib.checkpoint import CheckpointError, checkpoint_files, load_checkpoint
-from dsv2_lib.config import TINY
-from dsv2_lib.model import DeepseekV2
-from dsv2_lib.random_checkpoint import hub_tensor_shapes, write_random_checkpoint
-from dsv2_lib.weights import default_dtype
+from dsv2_lib.core.checkpoint import CheckpointError, checkpoint_files, load_checkpoint
+from dsv2_lib.core.config import TINY
+from dsv2_lib.core.dtypes import default_dtype
+from dsv2_lib.model.deepseek_v2 import DeepseekV2
+from dsv2_lib.tools.random_checkpoint import hub_tensor_shapes, write_random_checkpoint
 
 # V2-Lite's structure (dense layer 0, MoE layer 1 with 4 routed + 1 shared experts), very small.
 SMALL = dataclasses.replace(

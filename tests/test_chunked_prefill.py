@@ -9,13 +9,13 @@ import sys
 
 import pytest
 import torch
+from test_scheduler import FakeModel, reference
 
 from dsv2_lib import LLM, SamplingParams
-from dsv2_lib.block_manager import BlockManager, block_bytes
-from dsv2_lib.config import TINY
-from dsv2_lib.scheduler import Scheduler
-
-from test_scheduler import FakeModel, reference
+from dsv2_lib.core.config import TINY
+from dsv2_lib.engine.block_manager import BlockManager
+from dsv2_lib.engine.scheduler import Scheduler
+from dsv2_lib.model.cache import block_bytes
 
 
 def plan(model: FakeModel) -> list[list[tuple]]:

@@ -8,9 +8,9 @@ import json
 import re
 
 import pytest
-
-from dsv2_lib.config import DEEPSEEK_V2_LITE, TINY, ConfigError, config_from_dict, load_config
 from hub_files import HUB_CONFIG_JSON
+
+from dsv2_lib.core.config import DEEPSEEK_V2_LITE, TINY, ConfigError, config_from_dict, load_config
 
 
 @pytest.fixture

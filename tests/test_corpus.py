@@ -5,9 +5,9 @@ import tarfile
 
 import pytest
 
-from dsv2_lib.corpus import join_works, split_train_val, works_from_sdist
-from dsv2_lib.tokenizer import BOS, EOS
-from dsv2_lib.train_tiny import train_tokenizer
+from dsv2_lib.core.tokenizer import BOS, EOS
+from dsv2_lib.tools.corpus import join_works, split_train_val, works_from_sdist
+from dsv2_lib.tools.train_tiny import train_tokenizer
 
 TEMPEST = "THE TEMPEST\n\nby William Shakespeare  \n\nMIRANDA. If by your art, my dearest father, you have\nPut the wild waters in this roar, allay them.\n"
 LEAR = "KING LEAR\r\n\r\nLEAR. Nothing will come of nothing: speak again.\r\n"

@@ -3,10 +3,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv2_lib import tokenizer
-from dsv2_lib.embedding import embedding, embedding_reference
-from dsv2_lib.llm import resolve_model
-from dsv2_lib.weights import Embedding
+from dsv2_lib.core import tokenizer
+from dsv2_lib.engine.llm import resolve_model
+from dsv2_lib.model.layers import Embedding
+from dsv2_lib.ops.embedding import embedding, embedding_reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from dsv2_lib import embedding as emb
-from dsv2_lib.embedding import embedding, embedding_reference
+from dsv2_lib.ops import embedding as emb
+from dsv2_lib.ops.embedding import embedding, embedding_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv2_lib import moe, norm, rope, sampling
-from dsv2_lib.exercises import EXERCISES, check, generate_with, grade, merge_splits_reference, swapped
+from dsv2_lib.engine import sampling
+from dsv2_lib.lessons.exercises import EXERCISES, check, generate_with, grade, merge_splits_reference, swapped
+from dsv2_lib.model import moe
+from dsv2_lib.ops import norm, rope
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -89,7 +91,7 @@ def _plain_average(o, lse):
 
 
 def _no_overlap_check(path):  # parses well, but accepts overlapping tensors
-    from dsv2_lib.safetensors_io import SafetensorsFormatError, read_header
+    from dsv2_lib.core.safetensors_io import SafetensorsFormatError, read_header
     try:
         return read_header(path)
     except SafetensorsFormatError as e:

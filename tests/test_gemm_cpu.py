@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dsv2_lib.gemm import tiled_matmul, tiled_matmul_reference
+from dsv2_lib.lessons.gemm import tiled_matmul, tiled_matmul_reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])

@@ -21,8 +21,8 @@ import os
 import pytest
 import torch
 
-from dsv2_lib import kernels
-from dsv2_lib.gemm import tiled_matmul, tiled_matmul_reference
+from dsv2_lib.core import kernels
+from dsv2_lib.lessons.gemm import tiled_matmul, tiled_matmul_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 

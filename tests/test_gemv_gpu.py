@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv2_lib.gemv import GEMV_MAX_TOKENS, TOKENS_COMPILED, gemv_applies, linear
-from dsv2_lib.weights import Linear
+from dsv2_lib.model.layers import Linear
+from dsv2_lib.ops.gemv import GEMV_MAX_TOKENS, TOKENS_COMPILED, gemv_applies, linear
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from dsv2_lib import DEEPSEEK_V2_LITE, LLM
-from dsv2_lib.random_checkpoint import write_random_checkpoint
+from dsv2_lib.tools.random_checkpoint import write_random_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -213,7 +213,7 @@ def test_full_size_greedy_tokens_same_with_graphs_and_eager_padded_steps(checkpo
     """bf16, 3 prompts, 16 greedy tokens: decode steps replayed as CUDA graphs give the same tokens as
     the same padded steps run eagerly (the graph changes how kernels are launched, not what they compute)."""
     from dsv2_lib import SamplingParams
-    from dsv2_lib.graph_runner import DecodeGraphRunner
+    from dsv2_lib.engine.graph_runner import DecodeGraphRunner
 
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = [IDS[:64], IDS[100:130], IDS[200:203]]

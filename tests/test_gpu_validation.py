@@ -1,6 +1,17 @@
 """The GPU gate's bookkeeping, on the CPU: which kernels are ours, which sanitizer errors count."""
-from gpu_validation import (PARTS, SANITIZER_MARKERS, collect, deal, junit_seconds, merged, our_kernels, part_ok,
-                            sanitizer_errors, spread, summed)
+from gpu_validation import (
+    PARTS,
+    SANITIZER_MARKERS,
+    collect,
+    deal,
+    junit_seconds,
+    merged,
+    our_kernels,
+    part_ok,
+    sanitizer_errors,
+    spread,
+    summed,
+)
 
 VENDOR_RACE = """\
 ....========= Error: Race reported between Read access at nvjet_sm90_hsh_64x8_64x16_4x1_v_bz_TNT+0xb00
@@ -140,9 +151,9 @@ def test_the_hash_covers_every_engine_module_the_gpu_tests_import(tmp_path, monk
     import gpu_validation as gv
 
     names = {p.relative_to(gv.ROOT).as_posix() for p in gv.kernel_sources()}
-    assert {"kernels_cu/mla_decode.cu", "kernels_cu/common.cuh", "dsv2_lib/mla_decode.py", "dsv2_lib/scheduler.py",
-            "dsv2_lib/block_manager.py", "dsv2_lib/graph_runner.py", "dsv2_lib/llm.py", "dsv2_lib/__init__.py"} <= names
-    assert "dsv2_lib/train_tiny.py" not in names and "dsv2_lib/show.py" not in names
+    assert {"kernels_cu/mla_decode.cu", "kernels_cu/common.cuh", "dsv2_lib/ops/mla_decode.py", "dsv2_lib/engine/scheduler.py",
+            "dsv2_lib/engine/block_manager.py", "dsv2_lib/engine/graph_runner.py", "dsv2_lib/engine/llm.py", "dsv2_lib/__init__.py"} <= names
+    assert "dsv2_lib/tools/train_tiny.py" not in names and "dsv2_lib/tools/show.py" not in names
     # the closure follows relative imports (from . import x, from .x import y, from .. import z)
     pkg = tmp_path / "dsv2_lib"
     (pkg / "sub").mkdir(parents=True)

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from dsv2_lib import TINY
-from dsv2_lib.graph_runner import BUCKETS, DecodeBuffers, DecodeGraphRunner, StaticDecodeBatch, bucket
-from dsv2_lib.kv_cache import PagedBatch, PagedLatentCache
+from dsv2_lib.engine.graph_runner import BUCKETS, DecodeBuffers, DecodeGraphRunner, StaticDecodeBatch, bucket
+from dsv2_lib.model.cache import PagedBatch, PagedLatentCache
 
 
 def test_bucket_is_the_smallest_size_that_holds_the_batch():

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from dsv2_lib import LLM, SamplingParams
-from dsv2_lib.graph_runner import DecodeGraphRunner
-from dsv2_lib.kv_cache import PagedLatentCache
+from dsv2_lib.engine.graph_runner import DecodeGraphRunner
+from dsv2_lib.model.cache import PagedLatentCache
 
 pytestmark = [pytest.mark.gpu, pytest.mark.cuda_graph]
 PROMPTS = [list(range(2, 2 + n)) for n in (5, 17, 33, 40, 3)]
@@ -73,7 +73,7 @@ def test_a_padded_graph_step_agrees_with_the_unpadded_step():
     may differ, never more than two bf16 paths through 6 layers can (relative error of the logits
     <= 2 %; the full-size test measures ~4 % for 27 layers against fp32) — and padding rows must not
     leak into real ones (that would be an O(1) error)."""
-    from dsv2_lib.kv_cache import PagedBatch
+    from dsv2_lib.model.cache import PagedBatch
 
     llm = LLM("tiny", device="cuda", dtype="bfloat16")
     cache = PagedLatentCache(llm.config, num_blocks=256, block_size=16, dtype=torch.bfloat16, device="cuda", max_len=160)
@@ -90,10 +90,11 @@ def test_a_padded_graph_step_agrees_with_the_unpadded_step():
 
 
 def test_side_streams_give_the_same_bits_and_are_waited_for(monkeypatch):
-    """Up to 16 tokens MLA's q_proj and MoE's shared experts run on a side stream (dsv2_lib/streams.py):
+    """Up to 16 tokens MLA's q_proj and MoE's shared experts run on a side stream (dsv2_lib/core/streams.py):
     a replay gives the same logits and cache rows, bit for bit, as with every kernel on one stream. The
     side work is held up ~5 ms per layer, so a join that did not wait would read unwritten buffers."""
-    from dsv2_lib import mla, moe, streams
+    from dsv2_lib.core import streams
+    from dsv2_lib.model import mla, moe
 
     llm = LLM("tiny", device="cuda", dtype="bfloat16")
     cache = PagedLatentCache(llm.config, num_blocks=256, block_size=16, dtype=torch.bfloat16, device="cuda", max_len=160)

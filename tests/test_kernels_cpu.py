@@ -14,21 +14,21 @@ import pytest
 import torch
 
 import dsv2_lib
-from dsv2_lib import kernels
+from dsv2_lib.core import kernels
 
 
 def all_kernel_files():
-    for mod in pkgutil.iter_modules(dsv2_lib.__path__):
-        importlib.import_module(f"dsv2_lib.{mod.name}")  # modules declare their kernels on import
+    for mod in pkgutil.walk_packages(dsv2_lib.__path__, "dsv2_lib."):
+        importlib.import_module(mod.name)  # modules declare their kernels on import
     return kernels.KERNEL_FILES
 
 
 def test_every_cu_file_is_declared_by_a_module():
-    on_disk = {p.name for p in kernels.KERNEL_DIR.glob("*.cu")}
+    on_disk = {p.relative_to(kernels.KERNEL_DIR).as_posix() for p in kernels.KERNEL_DIR.rglob("*.cu")}
     assert on_disk and on_disk == set(all_kernel_files())
 
 
-@pytest.mark.parametrize("filename", sorted(p.name for p in kernels.KERNEL_DIR.glob("*.cu")))
+@pytest.mark.parametrize("filename", sorted(p.relative_to(kernels.KERNEL_DIR).as_posix() for p in kernels.KERNEL_DIR.rglob("*.cu")))
 def test_kernel_file_compiles_for_sm90(filename, tmp_path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -61,8 +61,8 @@ def test_backend_choice(monkeypatch):
 
 def test_linear_is_f_linear_on_the_cpu():
     """Off the GPU the dense GEMV never applies: Linear and gemv.linear are F.linear."""
-    from dsv2_lib.gemv import gemv_applies, linear
-    from dsv2_lib.weights import Linear
+    from dsv2_lib.model.layers import Linear
+    from dsv2_lib.ops.gemv import gemv_applies, linear
 
     torch.manual_seed(0)
     x, layer = torch.randn(1, 64).bfloat16(), Linear(64, 24).bfloat16()

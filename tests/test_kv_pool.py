@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from dsv2_lib import LLM
-from dsv2_lib.block_manager import block_bytes
-from dsv2_lib.config import DEEPSEEK_V2_LITE, TINY
-from dsv2_lib.kv_cache import PagedLatentCache
+from dsv2_lib.core.config import DEEPSEEK_V2_LITE, TINY
+from dsv2_lib.model.cache import PagedLatentCache, block_bytes
 
 MIB = 2**20
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from dsv2_lib import LLM, SamplingParams
-from dsv2_lib.block_manager import block_bytes
-from dsv2_lib.checkpoint import CheckpointError
-from dsv2_lib.config import TINY, ConfigError
-from dsv2_lib.llm import EMBEDDED_MODELS
-from dsv2_lib.random_checkpoint import write_random_checkpoint
+from dsv2_lib.core.checkpoint import CheckpointError
+from dsv2_lib.core.config import TINY, ConfigError
+from dsv2_lib.engine.llm import EMBEDDED_MODELS
+from dsv2_lib.model.cache import block_bytes
+from dsv2_lib.tools.random_checkpoint import write_random_checkpoint
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 SMALL = dataclasses.replace(

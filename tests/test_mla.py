@@ -4,12 +4,12 @@ import dataclasses
 import pytest
 import torch
 
-from dsv2_lib.config import TINY
-from dsv2_lib.kv_cache import LatentCache, SequenceBatch
-from dsv2_lib.mla import MLA, _joined
-from dsv2_lib.norm import rms_norm, rms_norm_reference
-from dsv2_lib.rope import apply_rope_reference_, rope_cos_sin_cache
-from dsv2_lib.weights import default_dtype
+from dsv2_lib.core.config import TINY
+from dsv2_lib.core.dtypes import default_dtype
+from dsv2_lib.model.cache import LatentCache, SequenceBatch
+from dsv2_lib.model.mla import MLA, _joined
+from dsv2_lib.ops.norm import rms_norm, rms_norm_reference
+from dsv2_lib.ops.rope import apply_rope_reference_, rope_cos_sin_cache
 
 
 def random_mla(cfg, seed=0):

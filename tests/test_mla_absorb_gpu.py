@@ -8,8 +8,15 @@ exact computed in fp64 from the same 16-bit inputs. The query's q_pe half is a c
 import pytest
 import torch
 
-from dsv2_lib.mla_absorb import (ABSORB_MAX_TOKENS, absorbed_output, absorbed_output_reference, absorbed_query,
-                                 absorbed_query_reference, _output_kernel_applies, _query_kernel_applies)
+from dsv2_lib.ops.mla_absorb import (
+    ABSORB_MAX_TOKENS,
+    _output_kernel_applies,
+    _query_kernel_applies,
+    absorbed_output,
+    absorbed_output_reference,
+    absorbed_query,
+    absorbed_query_reference,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 

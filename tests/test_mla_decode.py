@@ -16,11 +16,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv2_lib import TINY
-from dsv2_lib.kv_cache import LatentCache, SequenceBatch
-from dsv2_lib.mla import MLA, causal_attention
-from dsv2_lib.mla_decode import (COMBINE_WIDTHS, TILE, WARPS, balanced_schedule, balanced_segments, combine_width,
-                                 mla_decode, mla_decode_paged, mla_decode_paged_reference, mla_decode_query_dtype,
-                                 mla_decode_reference, mla_decode_splits, mla_decode_workspace)
+from dsv2_lib.model.cache import LatentCache, SequenceBatch
+from dsv2_lib.model.mla import MLA
+from dsv2_lib.ops.attention import causal_attention
+from dsv2_lib.ops.mla_decode import (
+    COMBINE_WIDTHS,
+    TILE,
+    WARPS,
+    balanced_schedule,
+    balanced_segments,
+    combine_width,
+    mla_decode,
+    mla_decode_paged,
+    mla_decode_paged_reference,
+    mla_decode_query_dtype,
+    mla_decode_reference,
+    mla_decode_splits,
+    mla_decode_workspace,
+)
 
 # ---- the identities --------------------------------------------------------------------------------
 
@@ -115,7 +128,7 @@ def test_split_policy_at_the_bars():
 
 
 def test_default_config_and_counters():
-    from dsv2_lib.mla_decode import FUSED_MAX_SPLITS, STAGES, mla_decode_config, mla_decode_counters
+    from dsv2_lib.ops.mla_decode import FUSED_MAX_SPLITS, STAGES, mla_decode_config, mla_decode_counters
     splits, stages, fused = mla_decode_config(64, 16, 4096, 132)
     assert (splits is None or splits >= 1) and stages in STAGES and fused in (None, True, False)
     assert FUSED_MAX_SPLITS >= 1 and 5 in STAGES

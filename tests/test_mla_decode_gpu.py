@@ -15,12 +15,19 @@ import dataclasses
 import pytest
 import torch
 
-from dsv2_lib import TINY, kernels
-from dsv2_lib import mla_decode as mla_decode_mod
-from dsv2_lib.mla import MLA
-from dsv2_lib.kv_cache import SequenceBatch
-from dsv2_lib.mla_decode import (STAGES, mla_decode, mla_decode_counters, mla_decode_query_dtype,
-                                 mla_decode_reference, mla_decode_workspace)
+from dsv2_lib import TINY
+from dsv2_lib.core import kernels
+from dsv2_lib.model.cache import SequenceBatch
+from dsv2_lib.model.mla import MLA
+from dsv2_lib.ops import mla_decode as mla_decode_mod
+from dsv2_lib.ops.mla_decode import (
+    STAGES,
+    mla_decode,
+    mla_decode_counters,
+    mla_decode_query_dtype,
+    mla_decode_reference,
+    mla_decode_workspace,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 
@@ -237,7 +244,7 @@ def test_engine_decode_attention_uses_the_kernel(dtype, monkeypatch):
 
 
 # ---- the paged kernel (chapter 13): PAGED = true reads rows through a block table ---------------------
-from dsv2_lib.mla_decode import mla_decode_paged, mla_decode_paged_reference  # noqa: E402
+from dsv2_lib.ops.mla_decode import mla_decode_paged, mla_decode_paged_reference  # noqa: E402
 
 
 def paged_inputs(lengths, block_size, dtype, heads=16, dl=512, dr=64, spare=3, seed=0):
@@ -335,7 +342,7 @@ def test_paged_cuda_graph_capture_and_replay():
 
 
 # ---- the balanced schedule -------------------------------------------------------------------------
-from dsv2_lib.mla_decode import balanced_schedule, mla_decode_schedule  # noqa: E402
+from dsv2_lib.ops.mla_decode import balanced_schedule, mla_decode_schedule  # noqa: E402
 
 
 @pytest.mark.parametrize("workers,min_tiles", [(1, 1), (7, 1), (132, 4), (264, 4)])
@@ -434,8 +441,8 @@ def test_balanced_cuda_graph_replays_with_new_lengths():
 def test_engine_decode_attention_uses_the_paged_kernel(block_size, monkeypatch):
     """MLA.decode_attention over a paged cache with permuted tables runs mla_decode_paged (no gather) and
     agrees with the reference path (16u, as test_engine_decode_attention_uses_the_kernel explains)."""
-    from dsv2_lib import mla as mla_mod
-    from dsv2_lib.kv_cache import PagedBatch
+    from dsv2_lib.model import mla as mla_mod
+    from dsv2_lib.model.cache import PagedBatch
     dtype = torch.bfloat16
     cfg = dataclasses.replace(TINY, num_hidden_layers=1)
     torch.manual_seed(0)

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv2_lib.config import TINY
-from dsv2_lib.moe import MoE, route
-from dsv2_lib.weights import default_dtype
+from dsv2_lib.core.config import TINY
+from dsv2_lib.core.dtypes import default_dtype
+from dsv2_lib.model.moe import MoE, route
 
 
 def direct_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -90,8 +90,8 @@ def test_group_limited_routing_stays_inside_best_groups():
 
 
 # ---- ties, alignment, and CPU emulations of the kernels' index mappings (kernels_cu/moe.cu) -------
-from dsv2_lib.moe import moe_align, moe_align_reference, moe_experts, routed_experts, topk_softmax  # noqa: E402
-from dsv2_lib import moe as moe_mod  # noqa: E402
+from dsv2_lib.model import moe as moe_mod  # noqa: E402
+from dsv2_lib.model.moe import moe_align, moe_align_reference, moe_experts, routed_experts, topk_softmax  # noqa: E402
 
 
 def test_ties_pick_the_lowest_expert_id_first():

@@ -18,11 +18,12 @@ import dataclasses
 import pytest
 import torch
 
-from dsv2_lib import kernels, moe
-from dsv2_lib.config import TINY
-from dsv2_lib.mlp import silu_and_mul_reference
-from dsv2_lib.moe import (MoE, moe_align, moe_align_reference, moe_experts, route, routed_experts, topk_softmax)
-from dsv2_lib.weights import default_dtype
+from dsv2_lib.core import kernels
+from dsv2_lib.core.config import TINY
+from dsv2_lib.core.dtypes import default_dtype
+from dsv2_lib.model import moe
+from dsv2_lib.model.moe import MoE, moe_align, moe_align_reference, moe_experts, route, routed_experts, topk_softmax
+from dsv2_lib.ops.activation import silu_and_mul_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 

@@ -1,18 +1,15 @@
 """The paged latent cache (CPU, float32): reading a sequence's rows through a block table — any
 blocks, in any order — gives exactly what the contiguous cache gives, in prefill and in decode;
 slot -1 is never written; a shared prompt prefix is computed once and changes no output."""
-import dataclasses
 
 import pytest
 import torch
+from tiny_configs import CONFIGS
 
 from dsv2_lib import LLM, SamplingParams
-from dsv2_lib.block_manager import block_bytes
-from dsv2_lib.kv_cache import LatentCache, PagedBatch, PagedLatentCache, SequenceBatch
-from dsv2_lib.mla import write_latent_cache
-from dsv2_lib.random_checkpoint import write_random_checkpoint
-
-from tiny_configs import CONFIGS
+from dsv2_lib.model.cache import LatentCache, PagedBatch, PagedLatentCache, SequenceBatch, block_bytes
+from dsv2_lib.model.mla import write_latent_cache
+from dsv2_lib.tools.random_checkpoint import write_random_checkpoint
 
 
 @pytest.fixture(scope="module", params=["tiny", *sorted(CONFIGS)])

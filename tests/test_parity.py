@@ -4,17 +4,15 @@ Both engines load the same safetensors files. Tolerances: both compute in fp32 w
 operation orders (fused einsum vs SDPA, fp32 softmax, our fp32 expert accumulation), so logits
 agree to ~1e-5 relative; we assert 1e-4 absolute on logits of magnitude ~1.
 """
-import dataclasses
 
 import pytest
 import torch
+from tiny_configs import CONFIGS
 from transformers import DeepseekV2ForCausalLM
 
 from dsv2_lib import LLM, SamplingParams
-from dsv2_lib.kv_cache import LatentCache, PagedBatch, PagedLatentCache, SequenceBatch
-from dsv2_lib.random_checkpoint import write_random_checkpoint
-
-from tiny_configs import CONFIGS
+from dsv2_lib.model.cache import LatentCache, PagedBatch, PagedLatentCache, SequenceBatch
+from dsv2_lib.tools.random_checkpoint import write_random_checkpoint
 
 ATOL = 1e-4
 

@@ -23,16 +23,16 @@ import jinja2
 import pytest
 import tokenizers
 import torch
+from hub_files import HUB_CONFIG_JSON
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from dsv2_lib import DEEPSEEK_V2_LITE, LLM
-from dsv2_lib.checkpoint import CheckpointError, checkpoint_files
-from dsv2_lib.config import config_from_dict, load_config
-from dsv2_lib.random_checkpoint import hub_tensor_shapes, write_random_checkpoint
-from dsv2_lib.tokenizer import BOS, EOS, apply_chat_template
-from hub_files import HUB_CONFIG_JSON
+from dsv2_lib.core.checkpoint import CheckpointError, checkpoint_files
+from dsv2_lib.core.config import config_from_dict, load_config
+from dsv2_lib.core.tokenizer import BOS, EOS, apply_chat_template
+from dsv2_lib.tools.random_checkpoint import hub_tensor_shapes, write_random_checkpoint
 
 # ---- the real files' content --------------------------------------------------------------------
 

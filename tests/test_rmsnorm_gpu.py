@@ -11,8 +11,8 @@ exceeds one output ulp, so the bound is two. Values under 1e-3 get that bound at
 import pytest
 import torch
 
-from dsv2_lib import kernels
-from dsv2_lib.norm import fused_add_rms_norm, fused_add_rms_norm_reference, rms_norm, rms_norm_reference
+from dsv2_lib.core import kernels
+from dsv2_lib.ops.norm import fused_add_rms_norm, fused_add_rms_norm_reference, rms_norm, rms_norm_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 

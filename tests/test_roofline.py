@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from dsv2_lib.config import DEEPSEEK_V2_LITE, TINY
-from dsv2_lib.roofline import (
+from dsv2_lib.core.config import DEEPSEEK_V2_LITE, TINY
+from dsv2_lib.tools.roofline import (
     active_parameters_per_token,
     attention_parameters_per_layer,
     decode_bytes_breakdown,

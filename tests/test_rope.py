@@ -8,11 +8,11 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import _compute_yarn_parameters
 
-from dsv2_lib.config import DEEPSEEK_V2_LITE, TINY, RopeConfig
-from dsv2_lib.kv_cache import LatentCache, SequenceBatch
-from dsv2_lib.model import DeepseekV2
-from dsv2_lib.rope import apply_rope_, apply_rope_reference_, rope_cos_sin_cache, rope_inv_freq
-from dsv2_lib.weights import default_dtype
+from dsv2_lib.core.config import DEEPSEEK_V2_LITE, TINY, RopeConfig
+from dsv2_lib.core.dtypes import default_dtype
+from dsv2_lib.model.cache import LatentCache, SequenceBatch
+from dsv2_lib.model.deepseek_v2 import DeepseekV2
+from dsv2_lib.ops.rope import apply_rope_, apply_rope_reference_, rope_cos_sin_cache, rope_inv_freq
 
 
 def hf_config(cfg):

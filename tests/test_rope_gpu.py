@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-from dsv2_lib.config import DEEPSEEK_V2_LITE
-from dsv2_lib.rope import apply_rope_, apply_rope_reference_, rope_cos_sin_cache
+from dsv2_lib.core.config import DEEPSEEK_V2_LITE
+from dsv2_lib.ops.rope import apply_rope_, apply_rope_reference_, rope_cos_sin_cache
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 
@@ -82,7 +82,7 @@ def test_unaligned_views_take_the_scalar_path(dtype, table):
 
 def test_other_rope_widths(table):
     """d = 16 with a 16-wide table (TINY's rope dim): vector and scalar paths both index the table by d."""
-    from dsv2_lib.config import TINY
+    from dsv2_lib.core.config import TINY
 
     small = rope_cos_sin_cache(TINY, 100, "cuda")
     d = TINY.qk_rope_head_dim

@@ -9,7 +9,6 @@
 """
 import ctypes
 import json
-import mmap
 import struct
 import tempfile
 from pathlib import Path
@@ -21,11 +20,17 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from dsv2_lib.config import TINY
-from dsv2_lib.random_checkpoint import write_random_checkpoint
-from dsv2_lib.safetensors_io import (
-    DTYPE_SIZES, TORCH_DTYPES, SafetensorsFormatError, TensorInfo, load_tensors, read_header, read_index,
+from dsv2_lib.core.config import TINY
+from dsv2_lib.core.safetensors_io import (
+    DTYPE_SIZES,
+    TORCH_DTYPES,
+    SafetensorsFormatError,
+    TensorInfo,
+    load_tensors,
+    read_header,
+    read_index,
 )
+from dsv2_lib.tools.random_checkpoint import write_random_checkpoint
 
 TINY_FILE = Path(__import__("dsv2_lib").__file__).parent / "assets" / "tiny" / "model.safetensors"
 ALL_TORCH_DTYPES = list(TORCH_DTYPES.values())

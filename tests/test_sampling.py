@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from dsv2_lib.sampling import SamplingParams, filter_logits, sample
+from dsv2_lib.engine.sampling import SamplingParams, filter_logits, sample
 
 CPU = torch.device("cpu")
 
@@ -264,7 +264,7 @@ def test_temperature_sharpens_and_flattens():
 def test_sample_rows_picks_what_sample_picks_row_by_row():
     """Mixed greedy and sampled rows, ties included: the batched function draws exactly the tokens
     that sample() draws for each row alone, with fresh generators seeded alike."""
-    from dsv2_lib.sampling import sample, sample_rows
+    from dsv2_lib.engine.sampling import sample, sample_rows
 
     torch.manual_seed(0)
     logits = torch.randn(6, 50)

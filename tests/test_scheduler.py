@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv2_lib.block_manager import PENDING, BlockManager
-from dsv2_lib.scheduler import Scheduler, Work
+from dsv2_lib.engine.block_manager import PENDING, BlockManager
+from dsv2_lib.engine.scheduler import Scheduler, Work
 
 VOCAB, EOS = 20, 0
 

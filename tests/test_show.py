@@ -4,9 +4,9 @@ import inspect
 
 import pytest
 
-import dsv2_lib.roofline
-from dsv2_lib import show
-from dsv2_lib.show import Listing, show_kernel, show_source
+import dsv2_lib.tools.roofline
+from dsv2_lib.tools import show
+from dsv2_lib.tools.show import Listing, show_kernel, show_source
 
 
 def _mime(obj):
@@ -17,7 +17,7 @@ def _mime(obj):
 
 
 def test_show_source_plain_text_is_exact_source():
-    fn = dsv2_lib.roofline.expected_distinct_experts
+    fn = dsv2_lib.tools.roofline.expected_distinct_experts
     listing = show_source(fn)
     assert listing.text == inspect.getsource(fn)
     assert repr(listing) == str(listing) == listing.text
@@ -25,16 +25,16 @@ def test_show_source_plain_text_is_exact_source():
 
 
 def test_show_source_html_is_highlighted_and_labelled():
-    listing = show_source(dsv2_lib.roofline.expected_distinct_experts)
+    listing = show_source(dsv2_lib.tools.roofline.expected_distinct_experts)
     page = _mime(listing)["text/html"]
-    assert "dsv2_lib/roofline.py · expected_distinct_experts" in page
+    assert "dsv2_lib/tools/roofline.py · expected_distinct_experts" in page
     assert "<span style=" in page  # Pygments inline styles: no stylesheet needed
     assert "expected_distinct_experts" in page and "&quot;" not in listing.text
 
 
 def test_show_source_class_module_and_wrapped():
     assert show_source(Listing).text.startswith("class Listing:")
-    assert show_source(dsv2_lib.roofline).origin == "dsv2_lib/roofline.py"
+    assert show_source(dsv2_lib.tools.roofline).origin == "dsv2_lib/tools/roofline.py"
 
     @functools.lru_cache
     def cached(x):
@@ -65,7 +65,9 @@ def test_show_kernel_bad_names(tmp_path, monkeypatch):
     monkeypatch.setattr(show, "KERNEL_DIR", tmp_path)
     with pytest.raises(FileNotFoundError, match=r"available: \['a.cu'\]"):
         show_kernel("missing.cu")
-    for bad in ("../setup.py", "sub/a.cu", "a.py", ""):
+    with pytest.raises(FileNotFoundError, match=r"no 'sub/a.cu'"):
+        show_kernel("sub/a.cu")  # a lesson's kernel sits in a folder: a path inside kernels_cu/ is fine
+    for bad in ("../setup.py", "sub/../../a.cu", "/abs/a.cu", "a.py", ""):
         with pytest.raises(ValueError):
             show_kernel(bad)
 

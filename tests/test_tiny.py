@@ -5,9 +5,9 @@ import torch
 from transformers import DeepseekV2ForCausalLM
 
 from dsv2_lib import LLM, SamplingParams
-from dsv2_lib.config import TINY, load_config
-from dsv2_lib.llm import EMBEDDED_MODELS
-from dsv2_lib.roofline import parameter_counts
+from dsv2_lib.core.config import TINY, load_config
+from dsv2_lib.engine.llm import EMBEDDED_MODELS
+from dsv2_lib.tools.roofline import parameter_counts
 
 TINY_DIR = EMBEDDED_MODELS["tiny"]
 

@@ -7,9 +7,17 @@ import torch
 from transformers import DeepseekV2ForCausalLM
 
 from dsv2_lib import LLM, SamplingParams
-from dsv2_lib.config import TINY
-from dsv2_lib.roofline import parameter_counts
-from dsv2_lib.train_tiny import TrainSettings, evaluate, learning_rate, main, save_checkpoint, train, train_tokenizer
+from dsv2_lib.core.config import TINY
+from dsv2_lib.tools.roofline import parameter_counts
+from dsv2_lib.tools.train_tiny import (
+    TrainSettings,
+    evaluate,
+    learning_rate,
+    main,
+    save_checkpoint,
+    train,
+    train_tokenizer,
+)
 
 VERSE = """MIRANDA. If by your art, my dearest father, you have
 Put the wild waters in this roar, allay them.
@@ -57,7 +65,7 @@ def test_training_lowers_the_loss_and_saves_a_checkpoint_both_engines_load(tmp_p
 
 
 def test_command_line_runs_end_to_end(tmp_path):
-    """``python -m dsv2_lib.train_tiny``'s path (tokenizer, split, training, saving) for two steps."""
+    """``python -m dsv2_lib.tools.train_tiny``'s path (tokenizer, split, training, saving) for two steps."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(VERSE * 100)
     main([str(corpus), str(tmp_path / "out"), "--device", "cpu", "--steps", "2", "--batch-size", "2",

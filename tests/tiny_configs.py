@@ -1,7 +1,7 @@
 """Small DeepSeek-V2 configurations that together cover every architectural switch."""
 import dataclasses
 
-from dsv2_lib.config import TINY, RopeConfig
+from dsv2_lib.core.config import TINY, RopeConfig
 
 YARN = TINY.rope
 

@@ -1,0 +1,464 @@
+"""Build it: the course's exercises, an autograder, and a way to run your piece inside the engine.
+
+Each chapter's "Build it" section gives a skeleton (signature, docstring with shapes,
+``raise NotImplementedError``) for the piece it teaches. Then
+
+    check("rms_norm", my_rms_norm)          # prints one line: passed, or the first failing case in words
+    with swapped("rms_norm", my_rms_norm):  # the engine (PyTorch path, e.g. LLM("tiny", device="cpu"))
+        llm.generate(...)                   # now calls your function where it called its own
+
+``check`` runs the reader's function and the reference on the same inputs, random and edge cases, and
+prints the first case that differs: its description, then what is wrong (an exception, the shape,
+the dtype, or the first element outside the tolerance with expected and got); it never raises for a
+wrong answer; ``grade`` returns the verdict as ``(passed, line)`` instead. ``swapped`` replaces the
+reference function in every ``dsv2_lib`` module that refers to it, and restores it on exit; on a GPU
+the engine runs its CUDA kernels instead, so run the engine on the CPU (or with
+``DSV2_BACKEND=torch``) to exercise your piece; ``generate_with`` does that with the tiny model.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from dsv2_lib.core import safetensors_io
+from dsv2_lib.core.config import TINY
+from dsv2_lib.engine import sampling
+from dsv2_lib.engine.sampling import SamplingParams
+from dsv2_lib.lessons import gemm
+from dsv2_lib.model import moe
+from dsv2_lib.ops import activation, embedding, mla_absorb, norm, rope
+
+__all__ = ["EXERCISES", "check", "grade", "swapped", "generate_with", "merge_splits_reference",
+           "attention_reference", "reserve_admits_reference", "slot_mapping_reference"]
+
+
+@dataclass(frozen=True)
+class _Case:
+    """One input of an exercise: ``args`` for both functions, ``what`` says it in words."""
+
+    what: str
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Exercise:
+    """``reference`` defines the answer; ``cases()`` builds the inputs; ``in_place`` names the argument
+    positions the function writes to (compared instead of the return value); ``engine`` is
+    ``"module:attribute"``, the engine's function that :func:`swapped` replaces (``None``: none)."""
+
+    name: str
+    chapter: str
+    reference: Callable
+    cases: Callable[[], list[_Case]]
+    in_place: tuple[int, ...] = ()
+    engine: str | None = None
+    exact: bool = False  # integer outputs, or results that must match bit for bit
+
+
+# ---- tolerances ------------------------------------------------------------------------------------
+def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) for comparing with the reference: a couple of roundings of the dtype."""
+    return {torch.float32: (1e-5, 1e-6), torch.float64: (1e-12, 1e-14), torch.bfloat16: (2 ** -7, 1e-3),
+            torch.float16: (2 ** -10, 1e-4)}.get(dtype, (0.0, 0.0))
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor {list(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+    return type(x).__name__
+
+
+def _difference(got, want, exact: bool, where: str = "the result") -> str | None:
+    """``None`` when ``got`` matches ``want``, else what differs, in words."""
+    if isinstance(want, (tuple, list)):
+        if not isinstance(got, (tuple, list)) or len(got) != len(want):
+            return f"{where}: expected a tuple of {len(want)} values, got {_describe(got)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            problem = _difference(g, w, exact, f"{where}[{i}]")
+            if problem:
+                return problem
+        return None
+    if not isinstance(want, torch.Tensor):
+        return None if got == want else f"{where}: expected {want!r}, got {got!r}"
+    if not isinstance(got, torch.Tensor):
+        return f"{where}: expected a {_describe(want)}, got {_describe(got)}"
+    if got.shape != want.shape:
+        return f"{where}: shape {list(got.shape)}, expected {list(want.shape)}"
+    if got.dtype != want.dtype:
+        return f"{where}: dtype {str(got.dtype).removeprefix('torch.')}, expected {str(want.dtype).removeprefix('torch.')}"
+    if want.numel() == 0:
+        return None
+    g, w = got.detach().cpu(), want.detach().cpu()
+    if exact or not w.is_floating_point():
+        bad = g != w
+        if w.is_floating_point():
+            bad &= ~(torch.isnan(g) & torch.isnan(w))
+    else:
+        rtol, atol = _tolerance(w.dtype)
+        g64, w64 = g.double(), w.double()
+        same_inf = torch.isinf(w64) & (g64 == w64)
+        bad = ~(((g64 - w64).abs() <= atol + rtol * w64.abs()) | same_inf)
+    if not bool(bad.any()):
+        return None
+    idx = tuple(int(i) for i in bad.nonzero()[0])
+    n = int(bad.sum())
+    tol = "" if exact or not w.is_floating_point() else " (rtol {:g}, atol {:g})".format(*_tolerance(w.dtype))
+    return (f"{where}{list(idx)}: expected {w[idx].item():.6g}, got {g[idx].item():.6g}{tol}; "
+            f"{n} of {w.numel()} elements differ")
+
+
+def _clone(args: tuple) -> tuple:
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def grade(name: str, fn: Callable) -> tuple[bool, str]:
+    """Run ``fn`` against exercise ``name`` (see :data:`EXERCISES`) on every case: ``(passed, one line)``,
+    the line naming the first failing case and what differs, in words."""
+    ex = _exercise(name)
+    cases = ex.cases()
+    for i, case in enumerate(cases, 1):
+        ref_args, my_args = _clone(case.args), _clone(case.args)
+        try:
+            want = ex.reference(*ref_args, **case.kwargs)
+        except Exception as e:  # bad input: the reader's function must refuse it too
+            want = e
+        try:
+            got = fn(*my_args, **case.kwargs)
+        except NotImplementedError:
+            return False, f"✗ {name}: not implemented yet (the skeleton still raises NotImplementedError)"
+        except Exception as e:  # the reader's bug, reported as a fact about the case, not a traceback
+            if isinstance(want, Exception):
+                continue
+            return False, f"✗ {name}, case {i} of {len(cases)} ({case.what}): raised {type(e).__name__}: {e}"
+        if isinstance(want, Exception):
+            return False, (f"✗ {name}, case {i} of {len(cases)} ({case.what}): returned a result, but this input "
+                           f"must be refused (the reference raises {type(want).__name__}: {want})")
+        if ex.in_place:
+            got = tuple(my_args[j] for j in ex.in_place)
+            want = tuple(ref_args[j] for j in ex.in_place)
+        problem = _difference(got, want, ex.exact)
+        if problem:
+            return False, f"✗ {name}, case {i} of {len(cases)} ({case.what}): {problem}"
+    return True, f"✓ {name}: all {len(cases)} cases match the reference"
+
+
+def check(name: str, fn: Callable) -> None:
+    """Grade ``fn`` against exercise ``name`` and print the verdict: one line, never a traceback."""
+    print(grade(name, fn)[1])
+
+
+def _exercise(name: str) -> _Exercise:
+    if name not in EXERCISES:
+        raise KeyError(f"no exercise {name!r}; the exercises are {sorted(EXERCISES)}")
+    return EXERCISES[name]
+
+
+@contextlib.contextmanager
+def swapped(name: str, fn: Callable) -> Iterator[None]:
+    """Run the engine with ``fn`` in place of exercise ``name``'s engine function: every ``dsv2_lib``
+    module attribute that is that function is replaced while the block runs, then restored."""
+    ex = _exercise(name)
+    if ex.engine is None:
+        raise ValueError(f"exercise {name!r} has no engine function to swap")
+    module_name, attr = ex.engine.split(":")
+    original = getattr(importlib.import_module(module_name), attr)
+    patched = []
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not (mod_name == "dsv2_lib" or mod_name.startswith("dsv2_lib.")):
+            continue
+        for key, value in list(vars(mod).items()):
+            if value is original:
+                setattr(mod, key, fn)
+                patched.append((mod, key))
+    try:
+        yield
+    finally:
+        for mod, key in patched:
+            setattr(mod, key, original)
+
+
+def generate_with(name: str, fn: Callable, prompt: str = "To be, or not", max_tokens: int = 16) -> str:
+    """Greedy text from the tiny model on the CPU, with the engine's own function and then with ``fn``
+    swapped in for exercise ``name``: one sentence saying whether the tokens are identical, or at
+    which token they part."""
+    from dsv2_lib.engine.llm import LLM
+
+    llm = LLM("tiny", device="cpu")
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    ours = llm.generate(prompt, params)[0]
+    with swapped(name, fn):
+        yours = llm.generate(prompt, params)[0]
+    if yours.token_ids == ours.token_ids:
+        return f"{len(yours.token_ids)} tokens through your {name}, identical to the engine's own: {prompt!r} -> {yours.text!r}"
+    at = next((i for i, (a, b) in enumerate(zip(yours.token_ids, ours.token_ids)) if a != b),
+              min(len(yours.token_ids), len(ours.token_ids)))
+    return (f"through your {name} the tokens part from the engine's at token {at}: yours {yours.text!r}, "
+            f"the engine's {ours.text!r}")
+
+
+# ---- the exercises' inputs ------------------------------------------------------------------------------
+def _n(count: int, one: str, many: str | None = None) -> str:
+    return f"{count} {one if count == 1 else many or one + 's'}"
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _rms_norm_cases() -> list[_Case]:
+    cases = []
+    for i, (shape, dtype) in enumerate([((1, 8), torch.float32), ((3, 64), torch.float32), ((2, 5, 256), torch.float32),
+                                        ((4, 2048), torch.bfloat16), ((3, 512), torch.float16), ((7, 576), torch.bfloat16)]):
+        g = _gen(i)
+        x = (torch.randn(shape, generator=g) * 3).to(dtype)
+        w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype)
+        cases.append(_Case(f"x {list(shape)} {str(dtype).removeprefix('torch.')}, eps 1e-6", (x, w, 1e-6)))
+    x = torch.zeros(2, 16)
+    x[1] = 1e4
+    cases.append(_Case("a row of zeros and a row of 1e4 (eps decides the first)", (x, torch.ones(16), 1e-6)))
+    return cases
+
+
+def _rope_cases() -> list[_Case]:
+    cases = []
+    for i, (T, h, dtype) in enumerate([(1, 1, torch.float32), (5, 4, torch.float32), (9, 16, torch.bfloat16)]):
+        g = _gen(10 + i)
+        d = TINY.qk_rope_head_dim
+        cache = rope.rope_cos_sin_cache(TINY, 64)
+        q = torch.randn(T, h, d, generator=g).to(dtype)
+        k = torch.randn(T, d, generator=g).to(dtype)
+        pos = torch.randint(0, 64, (T,), generator=g)
+        cases.append(_Case(f"{_n(T, 'token')}, {_n(h, 'head')}, rope dim {d}, {str(dtype).removeprefix('torch.')}, "
+                          f"positions {pos.tolist()[:4]}{'...' if T > 4 else ''}", (q, k, pos, cache)))
+    return cases
+
+
+def _route_cases() -> list[_Case]:
+    grouped = dataclasses.replace(TINY, topk_method="group_limited_greedy", n_group=4, topk_group=2)
+    scaled = dataclasses.replace(TINY, routed_scaling_factor=2.5)
+    renorm = dataclasses.replace(TINY, norm_topk_prob=True)
+    cases = []
+    for i, (cfg, what) in enumerate([(TINY, "greedy top-2 of 16, tiny model"), (scaled, "routed_scaling_factor 2.5"),
+                                     (renorm, "norm_topk_prob: renormalise the k weights"),
+                                     (grouped, "group-limited: 4 groups, keep the best 2")]):
+        logits = torch.randn(6, cfg.n_routed_experts, generator=_gen(20 + i))
+        cases.append(_Case(what, (logits, cfg)))
+    tie = torch.zeros(2, TINY.n_routed_experts)
+    tie[0, [3, 7, 11]] = 1.0  # three equal best scores: the lowest ids win
+    cases.append(_Case("ties: experts 3, 7 and 11 score equal (lowest id first)", (tie, TINY)))
+    return cases
+
+
+def _moe_align_cases() -> list[_Case]:
+    cases = []
+    for i, (T, k, E, block) in enumerate([(1, 2, 4, 4), (6, 2, 16, 4), (33, 6, 64, 16), (5, 1, 8, 1)]):
+        ids = torch.stack([torch.randperm(E, generator=_gen(30 + i + 7 * t))[:k] for t in range(T)])
+        cases.append(_Case(f"{_n(T, 'token')} x {_n(k, 'choice')} over {E} experts, tiles of {block}", (ids, E, block)))
+    cases.append(_Case("every token picks the same 2 experts", (torch.tensor([[5, 2]] * 9), 8, 4)))
+    return cases
+
+
+def _filter_cases() -> list[_Case]:
+    logits = torch.randn(50, generator=_gen(40)) * 2
+    flat = torch.zeros(6)
+    return [_Case("temperature 0.7 only", (logits, SamplingParams(temperature=0.7))),
+            _Case("top_k 5", (logits, SamplingParams(temperature=1.0, top_k=5))),
+            _Case("top_p 0.9", (logits, SamplingParams(temperature=1.0, top_p=0.9))),
+            _Case("top_k 10, top_p 0.5, temperature 1.3", (logits, SamplingParams(temperature=1.3, top_k=10, top_p=0.5))),
+            _Case("six equal logits, top_p 0.5: the first three (in order) reach the mass",
+                 (flat, SamplingParams(temperature=1.0, top_p=0.5)))]
+
+
+def merge_splits_reference(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Combine split-KV partial results (chapters 10 and 13): split ``s`` attended a slice of the context
+    and produced its normalised output ``o[s] [h, d]`` and log-sum-exp ``lse[s] [h]`` (natural log, ``-inf``
+    for an empty slice). The softmax over the whole context is the lse-weighted mix:
+    ``out = sum_s exp(lse[s] - L) · o[s]`` with ``L = log(sum_s exp(lse[s]))``; ``[h, d]`` in fp32,
+    computed in fp64 so that the reference itself is exact to fp32 rounding."""
+    o, lse = o.double(), lse.double()
+    L = torch.logsumexp(lse, dim=0)                              # [h]
+    w = torch.exp(lse - L).nan_to_num(0.0)                       # [S, h]; an all-empty head gives zeros
+    return (w[..., None] * o).sum(dim=0).float()
+
+
+def _merge_cases() -> list[_Case]:
+    cases = []
+    for i, (S, h, d) in enumerate([(1, 1, 4), (2, 16, 512), (7, 3, 64)]):
+        g = _gen(50 + i)
+        cases.append(_Case(f"{_n(S, 'split')}, {_n(h, 'head')}, {d} columns", (torch.randn(S, h, d, generator=g),
+                                                                   torch.randn(S, h, generator=g) * 5)))
+    lse = torch.tensor([[2.0, 1.0], [float("-inf"), 3.0]])
+    cases.append(_Case("an empty split (lse -inf) beside a full one", (torch.randn(2, 2, 8, generator=_gen(59)), lse)))
+    cases.append(_Case("large lse values (1000): subtract the max before exp",
+                      (torch.randn(3, 2, 8, generator=_gen(60)), torch.tensor([[1000.0, 5.0], [999.0, 4.0], [998.0, 6.0]]))))
+    return cases
+
+
+@functools.cache
+def _header_cases() -> list[_Case]:
+    """Small safetensors files, written once per process into a temporary folder removed at exit."""
+    import atexit
+    import json
+    import shutil
+    import struct
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp(prefix="dsv2_exercise_"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+    def file(name: str, header: dict | bytes, data: bytes, length: int | None = None) -> Path:
+        raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+        path = folder / name
+        path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+        return path
+
+    good = {"__metadata__": {"format": "pt"}, "a": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 12]},
+            "b": {"dtype": "F32", "shape": [4], "data_offsets": [12, 28]}}
+    return [
+        _Case("two tensors and metadata", (file("good.safetensors", good, bytes(28)),)),
+        _Case("a scalar and an empty tensor", (file("small.safetensors", {
+            "s": {"dtype": "I64", "shape": [], "data_offsets": [0, 8]},
+            "e": {"dtype": "F16", "shape": [0, 5], "data_offsets": [8, 8]}}, bytes(8)),)),
+        _Case("the header length points past the end of the file (must be refused)",
+              (file("short.safetensors", good, bytes(28), length=10_000),)),
+        _Case("a tensor's bytes do not match its shape and dtype (must be refused)", (file("size.safetensors", {
+            "a": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 10]}}, bytes(10)),)),
+        _Case("two tensors overlap (must be refused)", (file("overlap.safetensors", {
+            "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12)),)),
+        _Case("an unknown dtype (must be refused)", (file("dtype.safetensors", {
+            "a": {"dtype": "F13", "shape": [1], "data_offsets": [0, 2]}}, bytes(2)),)),
+    ]
+
+
+def _embedding_cases() -> list[_Case]:
+    g = _gen(70)
+    w = torch.randn(50, 16, generator=g).to(torch.bfloat16)
+    return [_Case("ids [5] int64 over a [50, 16] bf16 table", (torch.randint(0, 50, (5,), generator=g), w)),
+            _Case("ids [2, 3] int32 (the shape is kept)", (torch.randint(0, 50, (2, 3), generator=g).int(), w)),
+            _Case("ids 0 and 49, the table's edges", (torch.tensor([0, 49]), w.float())),
+            _Case("an id of 50 in a table of 50 rows (must be refused)", (torch.tensor([3, 50]), w)),
+            _Case("a negative id (must be refused)", (torch.tensor([-1]), w))]
+
+
+def _matmul_cases() -> list[_Case]:
+    cases = []
+    for i, (m, k, n, dtype) in enumerate([(1, 8, 4, torch.float32), (16, 64, 16, torch.float32),
+                                          (33, 70, 17, torch.float32), (64, 128, 48, torch.bfloat16)]):
+        g = _gen(80 + i)
+        cases.append(_Case(f"[{m}, {k}] @ [{k}, {n}] {str(dtype).removeprefix('torch.')}"
+                           f"{' (not multiples of the tile)' if m % 16 or k % 16 or n % 16 else ''}",
+                           (torch.randn(m, k, generator=g).to(dtype), torch.randn(k, n, generator=g).to(dtype))))
+    return cases
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Non-causal softmax attention of one head (chapter 06's recurrence is checked against it):
+    ``q [n, d]``, ``k [m, d]``, ``v [m, dv]`` fp32 -> ``[n, dv]`` fp32, computed in fp64."""
+    p = (q.double() @ k.double().T * scale).softmax(dim=-1)
+    return (p @ v.double()).float()
+
+
+def _attention_cases() -> list[_Case]:
+    cases = []
+    for i, (n, m, d) in enumerate([(1, 1, 8), (4, 16, 8), (3, 37, 16), (8, 130, 64)]):
+        g = _gen(90 + i)
+        cases.append(_Case(f"{_n(n, 'query', 'queries')} over {_n(m, 'key')}, head dim {d}",
+                           (torch.randn(n, d, generator=g), torch.randn(m, d, generator=g),
+                            torch.randn(m, d, generator=g), d ** -0.5)))
+    g = _gen(99)
+    big = torch.randn(2, 40, 8, generator=g)
+    big[1, 35] = 60.0  # one key far above the rest, late: the running maximum must rescale what came before
+    cases.append(_Case("a late key with a much larger score (the running max changes)",
+                       (big[0, :2], big[1], torch.randn(40, 8, generator=g), 1.0)))
+    return cases
+
+
+def _silu_cases() -> list[_Case]:
+    cases = []
+    for i, (shape, dtype) in enumerate([((1, 8), torch.float32), ((3, 64), torch.bfloat16), ((2, 5, 32), torch.float16)]):
+        cases.append(_Case(f"x {list(shape)} {str(dtype).removeprefix('torch.')} = [gate | up]",
+                           ((torch.randn(shape, generator=_gen(100 + i)) * 4).to(dtype),)))
+    return cases
+
+
+def _absorb_cases() -> list[_Case]:
+    cases = []
+    for i, (T, h, dtype) in enumerate([(1, 2, torch.float32), (3, 16, torch.bfloat16)]):
+        g = _gen(110 + i)
+        nope, r, c = TINY.qk_nope_head_dim, TINY.qk_rope_head_dim, TINY.kv_lora_rank
+        cases.append(_Case(f"{_n(T, 'token')}, {_n(h, 'head')}, q_nope {nope}, latent {c}, rope {r}, "
+                           f"{str(dtype).removeprefix('torch.')}",
+                           (torch.randn(T, h, nope, generator=g).to(dtype), torch.randn(T, h, r, generator=g).to(dtype),
+                            (torch.randn(h, nope, c, generator=g) / nope ** 0.5).to(dtype), dtype)))
+    return cases
+
+
+def reserve_admits_reference(num_blocks: int, block_size: int, running: list[tuple[int, int]], prompt_len: int,
+                             max_tokens: int) -> bool:
+    """Chapter 11's admission with ``admission="reserve"`` (no prefix cache): every running request may
+    grow to its ``max_len`` cached tokens (``running``: ``(cached now, max_len)`` each), so it holds the
+    blocks of its worst case; a new request is admitted when its worst case, ``prompt_len + max_tokens
+    - 1`` rows (the last token is never fed back), fits beside them in the pool of ``num_blocks``."""
+    blocks = lambda tokens: -(-tokens // block_size)  # noqa: E731
+    committed = sum(blocks(max_len) for _, max_len in running)
+    return committed + blocks(prompt_len + max_tokens - 1) <= num_blocks
+
+
+def _admit_cases() -> list[_Case]:
+    return [_Case("an empty pool of 4 blocks of 16, a request of 40 + 25 tokens (64 rows: exactly 4 blocks)",
+                  (4, 16, [], 40, 25)),
+            _Case("the same request with 26 tokens to generate (65 rows: one block too many)", (4, 16, [], 40, 26)),
+            _Case("running requests that may grow to 20 and 33 rows (5 blocks), a request of 60 + 21 tokens, 10 blocks of 16",
+                  (10, 16, [(5, 20), (33, 33)], 60, 21)),
+            _Case("the same with one generated token more (81 rows: 6 blocks)", (10, 16, [(5, 20), (33, 33)], 60, 22)),
+            _Case("block size 1, max_tokens 1 (the prompt alone)", (7, 1, [(3, 4)], 3, 1))]
+
+
+def slot_mapping_reference(block_table: list[int], positions: list[int], block_size: int) -> list[int]:
+    """Chapter 12's slot of each position of one sequence: ``block_table[p // block_size] * block_size +
+    p % block_size``; a position past the table's blocks is an error."""
+    slots = []
+    for p in positions:
+        if not 0 <= p < len(block_table) * block_size:
+            raise IndexError(f"position {p} is outside the {len(block_table)} blocks of the table")
+        slots.append(block_table[p // block_size] * block_size + p % block_size)
+    return slots
+
+
+def _slot_cases() -> list[_Case]:
+    return [_Case("one block, block size 16", ([7], [0, 1, 15], 16)),
+            _Case("three scattered blocks", ([4, 0, 9], [0, 15, 16, 31, 32, 40], 16)),
+            _Case("block size 1", ([3, 1, 2], [0, 1, 2], 1)),
+            _Case("a position past the last block (must be refused)", ([2, 5], [31, 32], 16))]
+
+
+EXERCISES: dict[str, _Exercise] = {e.name: e for e in [
+    _Exercise("read_header", "01", safetensors_io.read_header, _header_cases),
+    _Exercise("embedding", "02", embedding.embedding_reference, _embedding_cases,
+              engine="dsv2_lib.ops.embedding:embedding_reference", exact=True),
+    _Exercise("rms_norm", "03", norm.rms_norm_reference, _rms_norm_cases, engine="dsv2_lib.ops.norm:rms_norm_reference"),
+    _Exercise("tiled_matmul", "05", gemm.tiled_matmul_reference, _matmul_cases),
+    _Exercise("online_attention", "06", attention_reference, _attention_cases),
+    _Exercise("silu_and_mul", "07", activation.silu_and_mul_reference, _silu_cases,
+              engine="dsv2_lib.ops.activation:silu_and_mul_reference"),
+    _Exercise("absorbed_query", "10", mla_absorb.absorbed_query_reference, _absorb_cases,
+              engine="dsv2_lib.ops.mla_absorb:absorbed_query_reference"),
+    _Exercise("reserve_admits", "11", reserve_admits_reference, _admit_cases),
+    _Exercise("slot_mapping", "12", slot_mapping_reference, _slot_cases, exact=True),
+    _Exercise("rope", "04", rope.apply_rope_reference_, _rope_cases, in_place=(0, 1),
+             engine="dsv2_lib.ops.rope:apply_rope_reference_"),
+    _Exercise("route", "08", moe.route, _route_cases, engine="dsv2_lib.model.moe:route"),
+    _Exercise("moe_align", "08", moe.moe_align_reference, _moe_align_cases, exact=True),
+    _Exercise("filter_logits", "09", sampling.filter_logits, _filter_cases),
+    _Exercise("merge_splits", "13", merge_splits_reference, _merge_cases),
+]}
