@@ -1,9 +1,15 @@
 """Shared pytest configuration: tests marked ``gpu`` skip themselves where CUDA is absent, and the
-skipped tests are summed up in one line at the end of the run."""
+skipped tests are summed up in one line at the end of the run. The GPU gate (``gate/``) and the
+benchmarks (``benchmarks/``) are scripts, not packages; their tests import them from there."""
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "gate"), str(ROOT / "benchmarks")]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,4 @@
-"""tests/bench_moe.py's threshold recommendation, on the CPU, with the sweep the H200 measured."""
+"""benchmarks/bench_moe.py's threshold recommendation, on the CPU, with the sweep the H200 measured."""
 from bench_moe import recommend
 
 # routed experts alone, each path forced (ms, GPU time), H200 2026-11-29; the GEMV paths stop early

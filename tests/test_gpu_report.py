@@ -1,4 +1,4 @@
-"""The committed GPU validation report is fresh and green (see tests/gpu_validation.py)."""
+"""The committed GPU validation report is fresh and green (see gate/gpu_validation.py)."""
 import json
 
 import pytest
@@ -9,8 +9,8 @@ def test_report_matches_current_kernel_sources():
     report = json.loads(REPORT.read_text())
     assert report["sources_sha256"] == sources_hash(), (
         "kernels_cu/ or an engine module the GPU tests import changed since the last GPU validation: run "
-        "`python tests/gpu_validation.py tests`, `... memcheck` and `... racecheck` on the GPU machine and commit "
-        "tests/gpu_validation_report.json"
+        "`python gate/gpu_validation.py tests`, `... memcheck` and `... racecheck` on the GPU machine and commit "
+        "gate/gpu_validation_report.json"
     )
 
 
@@ -20,4 +20,4 @@ def test_report_is_green(part):
     assert "H200" in report["gpu"] or "NVIDIA" in report["gpu"]
     assert part_ok(report, part), (
         f"the GPU gate's part {part!r} is missing, failed or ran out of time in {REPORT.name}: "
-        f"run `python tests/gpu_validation.py {part}` on the GPU machine")
+        f"run `python gate/gpu_validation.py {part}` on the GPU machine")

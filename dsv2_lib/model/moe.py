@@ -24,7 +24,7 @@ weights are read once, the shared experts as more work items of the same launche
 layer for a few tokens as ``moe_decode`` (router GEMM, one router+items kernel, gate|up GEMV, down
 GEMV, combine). Measured on the H200 the grouped one is slower at every size it takes (1 ... 16
 tokens: 0.056 vs 0.043 ms at 1 token, 0.38 vs 0.29 at 16, routed experts alone): it stays for
-chapter 08's lesson and for ``tests/bench_moe.py``, which times both.
+chapter 08's lesson and for ``benchmarks/bench_moe.py``, which times both.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from dsv2_lib.core.kernels import CUDA_TYPE
 from dsv2_lib.model.mlp import MLP
 from dsv2_lib.ops.activation import silu_and_mul
 
-# Thresholds, from tests/bench_moe.py on the H200 (it prints the sweep that re-sets them: every path
+# Thresholds, from benchmarks/bench_moe.py on the H200 (it prints the sweep that re-sets them: every path
 # forced at 1 ... 4096 tokens, and its recommendation). Measured 2026-11-29 (routed experts alone, ms):
 # the per-choice GEMV wins up to 4 tokens (4: 0.105 vs skinny 0.110), the skinny GEMM from 8 to 128
 # (8: 0.159 vs GEMV 0.169; 32: 0.294 vs torch._grouped_mm 0.383; 128: 0.362 vs 0.399),

@@ -35,7 +35,7 @@ TILED_BQ = 16                        # queries per block of the tiled kernel
 # The tensor-core kernel's configurations (template parameters of attention_prefill_mma): name ->
 # (warps per block NW, Q in shared memory QS, K/V buffers ST, min blocks per SM MINB). A block takes
 # 16 NW queries. "mma" is the first version (measured on the H200 on 2026-11-29: 148 TFLOP/s at
-# 8 x 4096); tests/bench_attention_prefill.py times them all and prints the winner per shape.
+# 8 x 4096); benchmarks/bench_attention_prefill.py times them all and prints the winner per shape.
 MMA_VARIANTS = {
     "mma": (4, False, 1, 1),
     "mma_w8": (8, False, 1, 1),         # 128 queries: half the K/V bytes per FLOP from L2
@@ -69,7 +69,7 @@ ATTENTION_CU = kernels.declare(
 )
 
 # The engine's choice, per shape, from the H200 measurement of 2026-11-29 (chapter 06's table,
-# tests/bench_attention_prefill.py). The comparison is with SDPA as the engine calls it, the k_pe
+# benchmarks/bench_attention_prefill.py). The comparison is with SDPA as the engine calls it, the k_pe
 # broadcast to every head included: our best variant wins up to 512-token sequences (1 x 512: 74.7
 # vs 63.5 TFLOP/s; 8 x 512: 144 vs 120), SDPA (cuDNN) from 1024 on (1 x 1024: 159 vs 117; 8 x 4096:
 # 427 vs 259). Batches SDPA would need many calls for (mixed lengths or a cached prefix: one call per

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from dsv2_lib.core import kernels
 from dsv2_lib.core.kernels import CUDA_TYPE
 
-GEMV_MAX_TOKENS = 2  # tokens (rows of x) up to which the engine runs the GEMV; cuBLAS beyond (tests/bench_gemv.py)
+GEMV_MAX_TOKENS = 2  # tokens (rows of x) up to which the engine runs the GEMV; cuBLAS beyond (benchmarks/bench_gemv.py)
 TOKENS_COMPILED = 4  # the kernel is compiled for 1..4 rows, so that the benchmark can time it past the threshold
 WARPS = 4  # kernels_cu/gemv.cu: gemv::WARPS, two output columns each
 GEMV_CU = kernels.declare("gemv.cu", [f"linear_gemv<{t}, {n}>" for t in ("__half", "__nv_bfloat16")

@@ -32,13 +32,13 @@ SS_PITCH = TILE // 8 * 4 + 4  # mla::SS_PITCH: floats per lane of the kernel's p
 STAGES = (2, 3, 4, 5)  # pipeline depths compiled (STAGES - 1 tiles of 32 rows in flight per block)
 DEFAULT_STAGES = 2
 # The default policy fuses the combine up to this many splits (one block merges them). Measured on
-# the H200 (tests/bench_mla_decode.py, 2026-11-29): fused only ties the combine kernel at 2 splits
+# the H200 (benchmarks/bench_mla_decode.py, 2026-11-29): fused only ties the combine kernel at 2 splits
 # (128 x 2048: 105.6 vs 105.8 µs) and loses from 4 on (64 x 4096: 103.0 vs 101.1; 32 x 8192, 8 splits:
 # 107.3 vs 100.2), where the last block's serial merge of every split outlasts a second launch.
 FUSED_MAX_SPLITS = 2
 SHAPES = ((512, 64), (64, 16))  # (kv_lora_rank, rope dim) compiled: DeepSeek-V2(-Lite), the tiny model
 # A split streams at least this many 32-row tiles. More rows per split would amortise its query load and
-# partial write, but at serving contexts the parallelism matters more: tests/bench_mla_decode_paged.py's
+# partial write, but at serving contexts the parallelism matters more: benchmarks/bench_mla_decode_paged.py's
 # sweep at 513 rows (H200, 2026-11-29) took 10.4 / 12.0 / 15.9 µs at batch 1 and 15.1 / 16.6 / 20.0 at
 # batch 8 for 1 / 2 / 4 tiles, and tied (within 0.4 µs) at batch 32 and 128. Long contexts never reach it.
 MIN_TILES_PER_SPLIT = 1
@@ -85,7 +85,7 @@ def mla_decode_config(batch_size: int, heads: int, max_length: int, sms: int) ->
     """The default launch configuration ``(num_splits, stages, fused)``; ``num_splits = None`` lets
     :func:`mla_decode_splits` fill one wave at that depth's occupancy, ``fused = None`` fuses the combine
     when there are at most :data:`FUSED_MAX_SPLITS` splits. A module-level function so that
-    ``tests/bench_mla_decode.py`` (and a user) can replace it with what measurement says.
+    ``benchmarks/bench_mla_decode.py`` (and a user) can replace it with what measurement says.
 
     Measured on the H200 (2026-11-29): two stages at two blocks per SM streamed best at large batch;
     deeper pipelines and the fused combine are the candidates the benchmark compares.

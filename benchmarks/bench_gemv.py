@@ -1,4 +1,4 @@
-"""Benchmark of the dense GEMV (chapter 14) on the GPU: ``python tests/bench_gemv.py``.
+"""Benchmark of the dense GEMV (chapter 14) on the GPU: ``python benchmarks/bench_gemv.py``.
 
 For V2-Lite's projections in bf16 (the attention's q_proj, kv_a_proj_with_mqa and o_proj, layer 0's
 gate_up and down, the LM head) and 1 to 4 tokens, the GPU time (replayed CUDA graphs,

@@ -1,8 +1,8 @@
 """Where a prefill step's time goes on the GPU machine: the host's work against the GPU's (chapter 14).
 Not collected by pytest.
 
-    python tests/bench_prefill.py      # prints a table, writes $DSV2_RESULTS_DIR/bench_prefill.json (or /tmp)
-    python tests/bench_prefill.py --profile   # also: the host's time per op and module in one 1 x 512 forward
+    python benchmarks/bench_prefill.py      # prints a table, writes $DSV2_RESULTS_DIR/bench_prefill.json (or /tmp)
+    python benchmarks/bench_prefill.py --profile   # also: the host's time per op and module in one 1 x 512 forward
 
 DeepSeek-V2-Lite with random bf16 weights made on the GPU (no checkpoint), B x 512-token prompts
 (B = 1, 8) in one step, as the engine runs them:

@@ -1,6 +1,6 @@
 """Benchmark of the DeepSeek-V2-Lite MoE layer on the GPU (chapter 08). Not collected by pytest.
 
-    python tests/bench_moe.py          # prints tables, writes $DSV2_RESULTS_DIR/bench_moe.json (or /tmp)
+    python benchmarks/bench_moe.py          # prints tables, writes $DSV2_RESULTS_DIR/bench_moe.json (or /tmp)
 
 V2-Lite's shape: 64 routed experts x 1408, top-6, 2 shared experts, hidden 2048, bf16, random weights
 (the same in all three implementations), router weights random so that the load is roughly uniform.

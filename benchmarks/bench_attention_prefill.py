@@ -1,6 +1,6 @@
 """Benchmark of chapter 06: causal prefill attention, bf16, 16 heads, QK 192 / V 128 (H200).
 
-    python tests/bench_attention_prefill.py        # table on stdout, JSON in $DSV2_RESULTS_DIR (or /tmp)
+    python benchmarks/bench_attention_prefill.py        # table on stdout, JSON in $DSV2_RESULTS_DIR (or /tmp)
 
 For each shape B x n (1x256 .. 8x4096, nothing cached) it times our kernels (naive only up to
 n = 512: at 4096 it takes seconds; every tensor-core variant of attention.MMA_VARIANTS), the

@@ -1,12 +1,12 @@
 """The GPU validation gate: run on the GPU machine after any change to kernels or their wrappers.
 
-    python tests/gpu_validation.py tests        # part 1: pytest -m gpu (~3 min on the H200)
-    python tests/gpu_validation.py memcheck     # part 2: compute-sanitizer memcheck over the kernel tests
-    python tests/gpu_validation.py racecheck    # part 3: compute-sanitizer racecheck (~8 min)
-    python tests/gpu_validation.py              # all three, one after the other
+    python gate/gpu_validation.py tests        # part 1: pytest -m gpu (~3 min on the H200)
+    python gate/gpu_validation.py memcheck     # part 2: compute-sanitizer memcheck over the kernel tests
+    python gate/gpu_validation.py racecheck    # part 3: compute-sanitizer racecheck (~8 min)
+    python gate/gpu_validation.py              # all three, one after the other
 
 Each part fits one 10-minute call on the GPU machine and writes its section of
-tests/gpu_validation_report.json; a section written for other kernel sources is dropped, so the
+gate/gpu_validation_report.json; a section written for other kernel sources is dropped, so the
 report is complete only when every part ran on the sources being committed.
 
 1. ``tests``: ``pytest -m gpu`` (every GPU test: kernels against references, full-size parity);
@@ -17,7 +17,7 @@ report is complete only when every part ran on the sources being committed.
    there: capture cannot allocate without the caching allocator; so are tests marked ``heavy``, the
    large sizes, which the sanitizers slow down 10-100 times — the same code paths run there at small
    sizes); each tool's tests are dealt into ``SHARDS`` processes that run side by side, balanced by
-   each test's time in the last run (``tests/sanitizer_seconds.json``, rewritten by each run); racecheck
+   each test's time in the last run (``gate/sanitizer_seconds.json``, rewritten by each run); racecheck
    leaves out ``large_reference`` tests and runs at most ``RACECHECK_PER_TEST`` parametrizations of
    each test function (see ``spread``); only our kernels' errors count (see ``MEMCHECK_SKIP`` and
    ``RACECHECK_SKIP``). The parts do not share the GPU: measured on the H200, the full-size tests
@@ -49,8 +49,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SANITIZER_TIMEOUT_S = 500  # per process; a run that needs longer fails the gate instead of hanging the machine
 GPU_TESTS_TIMEOUT_S = 540
 PARTS = ("tests", "memcheck", "racecheck")
-REPORT = ROOT / "tests" / "gpu_validation_report.json"
-SECONDS = ROOT / "tests" / "sanitizer_seconds.json"  # each sanitized test's seconds in its last run, per tool
+REPORT = ROOT / "gate" / "gpu_validation_report.json"
+SECONDS = ROOT / "gate" / "sanitizer_seconds.json"  # each sanitized test's seconds in its last run, per tool
 
 
 def gpu_test_files() -> list[Path]:

@@ -1,4 +1,4 @@
-"""Benchmark of the latent decode kernel (chapter 10) on the GPU: ``python tests/bench_mla_decode.py``.
+"""Benchmark of the latent decode kernel (chapter 10) on the GPU: ``python benchmarks/bench_mla_decode.py``.
 
 For each (batch, context) in bf16, DeepSeek-V2-Lite's rows (16 heads, 512 + 64):
 

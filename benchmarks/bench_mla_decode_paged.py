@@ -1,4 +1,4 @@
-"""Benchmark of the paged latent decode kernel (chapter 13): ``python tests/bench_mla_decode_paged.py``.
+"""Benchmark of the paged latent decode kernel (chapter 13): ``python benchmarks/bench_mla_decode_paged.py``.
 
 bf16, DeepSeek-V2-Lite's rows (16 heads, 512 + 64), a paged cache of 16-row blocks whose tables are
 a random permutation of the pool. For each batch (equal lengths, and one of mixed lengths) it times
