@@ -344,9 +344,49 @@ def test_index_naming_a_missing_shard(sharded):
 
 
 def test_index_missing_an_entry(sharded):
+    """A shard holding a tensor its index does not list: refused, naming the shard and the tensor
+    (loading it anyway would trust one of two disagreeing descriptions of the checkpoint)."""
     edit_index(sharded, lambda m: m.pop(EXPERT_KEY))
-    with pytest.raises(CheckpointError, match=re_path(sharded) + ".*missing.*" + EXPERT_KEY.replace(".", r"\.")):
+    with pytest.raises(CheckpointError, match=re_path(sharded) + ".*does not list.*" + EXPERT_KEY.replace(".", r"\.")):
         load_checkpoint(new_model(), sharded)
+
+
+def test_index_listing_a_tensor_its_shard_lacks(sharded):
+    shard = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"][EXPERT_KEY]
+    other = next(s for s in sorted(p.name for p in sharded.glob("*.safetensors")) if s != shard)
+    edit_index(sharded, lambda m: m.__setitem__(EXPERT_KEY, other))
+    with pytest.raises(CheckpointError, match=re.escape(other) + ".*does not hold.*" + EXPERT_KEY.replace(".", r"\.")):
+        load_checkpoint(new_model(), sharded)
+
+
+def test_duplicate_tensor_name_in_a_file_is_refused(tmp_path):
+    """The safetensors package keeps the last of two entries with one name (even of another dtype);
+    the format forbids it, and the loader refuses it as chapter 01's parser does."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    header = ('{"model.norm.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+              '"model.norm.weight": {"dtype": "F16", "shape": [1], "data_offsets": [4, 6]}}').encode()
+    (ckpt / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(6))
+    with pytest.raises(CheckpointError, match=re.escape(str(ckpt / "model.safetensors")) + ".*duplicate.*model.norm.weight"):
+        load_checkpoint(new_model(), ckpt)
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    os.mkfifo(ckpt / "model.safetensors")  # opening it for reading would wait for a writer forever
+    with pytest.raises(CheckpointError, match="model.safetensors: not a regular file"):
+        load_checkpoint(new_model(), ckpt)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_unless_asked(ckpt, bad):
+    rewrite(ckpt / "model.safetensors", lambda t: t["model.layers.0.input_layernorm.weight"].__setitem__(3, bad))
+    with pytest.raises(CheckpointError, match=re_path(ckpt) + ".*NaN or infinite.*model.layers.0.input_layernorm.weight"):
+        load_checkpoint(new_model(), ckpt)
+    model = new_model()
+    load_checkpoint(model, ckpt, check_finite=False)
+    assert not model.model.layers[0].input_layernorm.weight.isfinite().all()
 
 
 @pytest.mark.parametrize("text", ["{not json", "[]", '{"metadata": {}}', '{"weight_map": [1, 2]}', '{"weight_map": {"a": 5}}',

@@ -5,9 +5,12 @@ Every error must be a ConfigError whose message names the file and the field at 
 import copy
 import dataclasses
 import json
+import math
 import re
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from hub_files import HUB_CONFIG_JSON
 
 from dsv2_lib.core.config import DEEPSEEK_V2_LITE, TINY, ConfigError, config_from_dict, load_config
@@ -299,3 +302,92 @@ def test_hub_dict_is_not_mutated(hub):
     before = copy.deepcopy(hub)
     config_from_dict(hub)
     assert hub == before
+
+
+# ---- values out of range: each would give NaN logits or an error deep inside torch -------------
+
+@pytest.mark.parametrize("field, value, want", [
+    ("rms_norm_eps", -1e-6, "must be > 0"),
+    ("rms_norm_eps", 0.0, "must be > 0"),
+    ("routed_scaling_factor", float("nan"), "must be a finite number"),
+    ("routed_scaling_factor", float("inf"), "must be a finite number"),
+    ("routed_scaling_factor", 0, "must be > 0"),
+    ("moe_intermediate_size", -4, "must be >= 0"),
+    ("moe_intermediate_size", 0, "must be > 0"),
+    ("n_shared_experts", -1, "must be >= 0"),
+    ("n_routed_experts", -64, "must be >= 0"),
+    ("first_k_dense_replace", -1, "must be >= 0"),
+    ("max_position_embeddings", 0, "must be >= 1"),
+    ("bos_token_id", -5, "must be >= 0"),
+    ("bos_token_id", 102400, "token id in 0..102399"),
+    ("eos_token_id", [100001, 102400], "token id in 0..102399"),
+    ("qk_rope_head_dim", 63, "must be even"),
+])
+def test_out_of_range_field(tmp_path, hub, field, value, want):
+    hub[field] = value
+    path = write(tmp_path, hub)  # json.dumps writes NaN and Infinity, which json.loads reads back
+    with pytest.raises(ConfigError, match=err(path, field, want)):
+        load_config(path)
+
+
+@pytest.mark.parametrize("key, value, want", [
+    ("factor", 0, "must be >= 1.0"),
+    ("factor", 0.5, "must be >= 1.0"),
+    ("factor", float("nan"), "must be a finite number"),
+    ("original_max_position_embeddings", 0, "must be > 0"),
+    ("mscale", -1, "must be >= 0.0"),
+    ("beta_fast", 0.5, "beta_fast > rope_scaling.beta_slow"),
+])
+def test_out_of_range_yarn_field(tmp_path, hub, key, value, want):
+    hub["rope_scaling"][key] = value
+    path = write(tmp_path, hub)
+    with pytest.raises(ConfigError, match=err(path, f"rope_scaling.{key}" if "beta" not in key else "", want)):
+        load_config(path)
+
+
+@pytest.mark.parametrize("theta", [0, -10000.0, float("inf")])
+def test_rope_theta_must_be_positive_and_finite(tmp_path, hub, theta):
+    hub["rope_theta"] = theta
+    path = write(tmp_path, hub)
+    with pytest.raises(ConfigError, match=err(path, "rope_scaling.rope_theta")):
+        load_config(path)
+
+
+def test_deeply_nested_json_is_a_config_error(tmp_path):
+    path = write(tmp_path, '{"model_type": "deepseek_v2", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ConfigError, match=err(path, "nested too deeply")):
+        load_config(path)
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.dictionaries(st.sampled_from(sorted(json.loads(HUB_CONFIG_JSON))), JSON_VALUES, min_size=1, max_size=4),
+       rope=st.dictionaries(st.sampled_from(["type", "factor", "original_max_position_embeddings", "beta_fast",
+                                             "beta_slow", "mscale", "mscale_all_dim"]), JSON_VALUES, max_size=2))
+def test_any_mutated_config_is_valid_or_a_config_error(hub, changes, rope):
+    """Random values in random fields: the answer is a ConfigError or a config whose every number the
+    engine uses is finite and in range; never another exception."""
+    raw = copy.deepcopy(hub)
+    raw.update(changes)
+    if isinstance(raw.get("rope_scaling"), dict):
+        raw["rope_scaling"].update(rope)
+    try:
+        cfg = config_from_dict(raw, "mutated")
+    except ConfigError:
+        return
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings")
+    assert all(getattr(cfg, f) > 0 for f in sizes)
+    assert cfg.n_routed_experts >= 0 and cfg.n_shared_experts >= 0 and cfg.first_k_dense_replace >= 0
+    assert cfg.rms_norm_eps > 0 and cfg.routed_scaling_factor > 0 and math.isfinite(cfg.routed_scaling_factor)
+    assert cfg.rope.theta > 0 and math.isfinite(cfg.rope.theta) and cfg.rope.factor >= 1
+    assert math.isfinite(cfg.softmax_scale) and cfg.softmax_scale > 0
+    assert all(0 <= t < cfg.vocab_size for t in cfg.eos_token_id)
+    if cfg.n_routed_experts:
+        assert 0 < cfg.num_experts_per_tok <= cfg.n_routed_experts and cfg.moe_intermediate_size > 0

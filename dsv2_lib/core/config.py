@@ -160,6 +160,7 @@ _OPTIONAL = {
 
 
 def _typed(where: str, name: str, value: Any, kind: str) -> Any:
+    """``value`` if it is of ``kind`` (a bool is not an int; a float must be finite), else a ConfigError."""
     ok = {
         _INT: isinstance(value, int) and not isinstance(value, bool),
         _FLOAT: isinstance(value, (int, float)) and not isinstance(value, bool),
@@ -167,13 +168,30 @@ def _typed(where: str, name: str, value: Any, kind: str) -> Any:
     }[kind]
     if not ok:
         raise ConfigError(f"{where}: field '{name}' must be {kind}, got {type(value).__name__} {value!r}")
+    if kind == _FLOAT and not math.isfinite(value):
+        raise ConfigError(f"{where}: field '{name}' must be a finite number, got {value!r}")
     return float(value) if kind == _FLOAT else value
 
 
-def _positive(where: str, name: str, value: int) -> int:
+def _positive(where: str, name: str, value: int | float) -> int | float:
     if value <= 0:
         raise ConfigError(f"{where}: field '{name}' must be > 0, got {value}")
     return value
+
+
+def _at_least(where: str, name: str, value: int | float, low: int | float) -> int | float:
+    if value < low:
+        raise ConfigError(f"{where}: field '{name}' must be >= {low}, got {value}")
+    return value
+
+
+# The smallest value each optional field may take (the engine divides by, takes logs of, or sizes
+# tensors with them: a zero or a negative would give NaN logits or an error deep inside torch).
+_MINIMUM = {
+    "n_routed_experts": 0, "n_shared_experts": 0, "moe_intermediate_size": 0, "first_k_dense_replace": 0,
+    "max_position_embeddings": 1, "bos_token_id": 0,
+}
+_POSITIVE_FLOATS = ("routed_scaling_factor", "rms_norm_eps")
 
 
 def _parse_rope(raw: dict[str, Any], where: str) -> RopeConfig:
@@ -190,24 +208,32 @@ def _parse_rope(raw: dict[str, Any], where: str) -> RopeConfig:
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ("default", "yarn"):
         raise ConfigError(f"{where}: {src}.type must be 'default' or 'yarn', got {kind!r}")
-    theta = _typed(where, f"{src}.rope_theta", params.get("rope_theta", 10000.0), _FLOAT)
+    theta = _positive(where, f"{src}.rope_theta", _typed(where, f"{src}.rope_theta", params.get("rope_theta", 10000.0), _FLOAT))
     if kind == "default":
         return RopeConfig(theta=theta)
     for key in ("factor", "original_max_position_embeddings"):
         if params.get(key) is None:
             raise ConfigError(f"{where}: YaRN needs field '{src}.{key}'")
-    return RopeConfig(
+
+    def number(key: str, default: float | None, low: float) -> float:
+        """A YaRN float; a missing or zero optional one takes its default, as DeepSeek's code reads them."""
+        value = params[key] if default is None else params.get(key) or default
+        return _at_least(where, f"{src}.{key}", _typed(where, f"{src}.{key}", value, _FLOAT), low)
+
+    rope = RopeConfig(
         theta=theta,
         kind="yarn",
-        factor=_typed(where, f"{src}.factor", params["factor"], _FLOAT),
-        original_max_position_embeddings=_typed(
-            where, f"{src}.original_max_position_embeddings", params["original_max_position_embeddings"], _INT
-        ),
-        beta_fast=_typed(where, f"{src}.beta_fast", params.get("beta_fast") or 32, _FLOAT),
-        beta_slow=_typed(where, f"{src}.beta_slow", params.get("beta_slow") or 1, _FLOAT),
-        mscale=_typed(where, f"{src}.mscale", params.get("mscale") or 1.0, _FLOAT),
-        mscale_all_dim=_typed(where, f"{src}.mscale_all_dim", params.get("mscale_all_dim") or 0.0, _FLOAT),
+        factor=number("factor", None, 1.0),  # YaRN stretches the context: a factor below 1 has no meaning
+        original_max_position_embeddings=_positive(where, f"{src}.original_max_position_embeddings", _typed(
+            where, f"{src}.original_max_position_embeddings", params["original_max_position_embeddings"], _INT)),
+        beta_fast=number("beta_fast", 32, 0.0),
+        beta_slow=number("beta_slow", 1, 0.0),
+        mscale=number("mscale", 1.0, 0.0),
+        mscale_all_dim=number("mscale_all_dim", 0.0, 0.0),
     )
+    if not rope.beta_fast > rope.beta_slow:
+        raise ConfigError(f"{where}: YaRN needs {src}.beta_fast > {src}.beta_slow, got {rope.beta_fast} and {rope.beta_slow}")
+    return rope
 
 
 def config_from_dict(raw: dict[str, Any], where: str = "config") -> ModelConfig:
@@ -225,6 +251,12 @@ def config_from_dict(raw: dict[str, Any], where: str = "config") -> ModelConfig:
     for name, kind in _OPTIONAL.items():
         if raw.get(name) is not None:
             kw[name] = _typed(where, name, raw[name], kind)
+            if name in _MINIMUM:
+                _at_least(where, name, kw[name], _MINIMUM[name])
+            elif name in _POSITIVE_FLOATS:
+                _positive(where, name, kw[name])
+    if kw["qk_rope_head_dim"] % 2:
+        raise ConfigError(f"{where}: field 'qk_rope_head_dim' must be even (RoPE rotates pairs), got {kw['qk_rope_head_dim']}")
     q_lora = raw.get("q_lora_rank")
     kw["q_lora_rank"] = None if q_lora is None else _positive(where, "q_lora_rank", _typed(where, "q_lora_rank", q_lora, _INT))
     kw["topk_method"] = raw.get("topk_method") or "greedy"
@@ -242,6 +274,9 @@ def config_from_dict(raw: dict[str, Any], where: str = "config") -> ModelConfig:
     eos = raw.get("eos_token_id")
     eos_list = [] if eos is None else (eos if isinstance(eos, list) else [eos])
     kw["eos_token_id"] = tuple(_typed(where, "eos_token_id", e, _INT) for e in eos_list)
+    for name, ids in (("bos_token_id", [kw.get("bos_token_id", 0)]), ("eos_token_id", kw["eos_token_id"])):
+        if any(not 0 <= i < kw["vocab_size"] for i in ids):
+            raise ConfigError(f"{where}: field '{name}' must be a token id in 0..{kw['vocab_size'] - 1}, got {ids}")
     kw["rope"] = _parse_rope(raw, where)
 
     kw.setdefault("n_routed_experts", 0)
@@ -249,6 +284,7 @@ def config_from_dict(raw: dict[str, Any], where: str = "config") -> ModelConfig:
         for name in ("num_experts_per_tok", "moe_intermediate_size"):
             if kw.get(name) is None:
                 raise ConfigError(f"{where}: MoE config (n_routed_experts={kw['n_routed_experts']}) needs field '{name}'")
+        _positive(where, "moe_intermediate_size", kw["moe_intermediate_size"])
         if not 0 < kw["num_experts_per_tok"] <= kw["n_routed_experts"]:
             raise ConfigError(
                 f"{where}: num_experts_per_tok must be in 1..n_routed_experts={kw['n_routed_experts']}, "
@@ -283,6 +319,8 @@ def load_config(path: str | Path) -> ModelConfig:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: JSON nested too deeply to parse (a config.json is a few levels deep)") from None
     return config_from_dict(raw, where=str(path))
 
 
