@@ -65,6 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def device_error(device: str | None) -> str | None:
+    """Why ``--device`` cannot be used here (one line for the user), or None when it can."""
+    import torch
+
+    if device is None:
+        return None
+    if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
+        return f"--device must be cpu, cuda or cuda:N, got {device!r}"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return f"--device {device}, but PyTorch sees no CUDA GPU here (a CPU build of torch, or no driver)"
+    if device.startswith("cuda:") and not (device[5:].isdigit() and int(device[5:]) < torch.cuda.device_count()):
+        return f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
@@ -73,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     from dsv2_lib.engine.llm import LLM
     from dsv2_lib.engine.sampling import SamplingParams
 
+    if error := device_error(args.device):
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed)
@@ -125,14 +143,12 @@ def add_bench_parser(sub) -> None:
 def bench_command(args) -> int:
     import torch
 
+    from dsv2_lib.engine.llm import resolve_model
     from dsv2_lib.tools.bench import BenchConfig, run, save, table
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        print(f"error: --device must be cpu or cuda, got {device!r}", file=sys.stderr)
-        return 2
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        print("error: --device cuda, but PyTorch sees no CUDA GPU here", file=sys.stderr)
+    if error := device_error(device):
+        print(f"error: {error}", file=sys.stderr)
         return 2
     if device == "cpu" and args.model is None:
         print("error: the default model, DeepSeek-V2-Lite (a 31 GB checkpoint), needs a CUDA GPU; "
@@ -143,7 +159,13 @@ def bench_command(args) -> int:
                       decode_batches=tuple(args.decode_batches), decode_tokens=args.decode_tokens,
                       repeats=args.repeats, transformers=args.transformers, cuda_graphs=args.cuda_graphs,
                       async_scheduling=args.async_scheduling)
-    record = run(cfg)
+    try:
+        if args.model is not None:
+            resolve_model(args.model)  # before anything is measured or written
+        record = run(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(table(record))
     js, png = save(record, args.out)
     print(f"wrote {js} and {png}", file=sys.stderr)

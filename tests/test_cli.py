@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from dsv2_lib import LLM, SamplingParams
 
 
@@ -76,3 +78,23 @@ def test_bench_refuses_what_it_cannot_run_before_writing_anything(tmp_path):
         assert r.returncode == 2 and "no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
     r = run("bench", "--repeats", "0")
     assert r.returncode == 2 and "--repeats: must be an int >= 1, got 0" in r.stderr
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["generate", "--device", "tpu", "hi"], "--device must be cpu, cuda or cuda:N, got 'tpu'"),
+    (["generate", "--model", "/nonexistent", "--device", "cpu", "hi"], "not an embedded model"),
+    (["generate", "--model", "tiny", "--device", "cpu", "--temperature", "nan", "hi"], "temperature"),
+    (["bench", "--model", "/nonexistent", "--device", "cpu"], "model '/nonexistent': not an embedded model"),
+])
+def test_user_errors_are_one_line_without_a_traceback(argv, want):
+    r = run(*argv)
+    assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_gpu_device_without_a_gpu_is_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    r = run("generate", "--device", "cuda", "hi")
+    assert r.returncode == 2 and "PyTorch sees no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
