@@ -30,7 +30,6 @@ report is complete only when every part ran on the sources being committed.
 """
 from __future__ import annotations
 
-import ast
 import concurrent.futures
 import datetime
 import hashlib
@@ -46,6 +45,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repository's dsv2_lib
+from dsv2_lib.tools.layer_map import imported_modules  # noqa: E402
+
 SANITIZER_TIMEOUT_S = 500  # per process; a run that needs longer fails the gate instead of hanging the machine
 GPU_TESTS_TIMEOUT_S = 540
 PARTS = ("tests", "memcheck", "racecheck")
@@ -56,28 +58,6 @@ SECONDS = ROOT / "gate" / "sanitizer_seconds.json"  # each sanitized test's seco
 def gpu_test_files() -> list[Path]:
     """The test files that hold GPU tests (a ``pytest.mark.gpu`` in them)."""
     return sorted(p for p in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
-
-
-def _imported_modules(path: Path, package: str | None) -> set[str]:
-    """The ``dsv2_lib`` modules that the file at ``path`` imports (``package``: its own package's
-    dotted name for relative imports, ``None`` outside the library), read from its syntax tree; a
-    module named in a string (the package face's lazy imports, ``importlib.import_module``) counts."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"dsv2_lib(\.\w+)+", node.value):
-            found.add(node.value)
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                if package is None:
-                    continue
-                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                base = f"{parent}.{base}" if base else parent
-            found.add(base)
-            found |= {f"{base}.{a.name}" for a in node.names}  # `from pkg import module`
-    return {m for m in found if m == "dsv2_lib" or m.startswith("dsv2_lib.")}
 
 
 def _module_file(name: str) -> Path | None:
@@ -92,7 +72,7 @@ def _module_file(name: str) -> Path | None:
 def gpu_tested_modules() -> list[Path]:
     """Every ``dsv2_lib`` module that the GPU tests import, directly or through other modules (an
     import of ``dsv2_lib.x`` also runs the packages above it): the engine code a GPU run exercises."""
-    todo = set().union(*(_imported_modules(p, None) for p in gpu_test_files()))
+    todo = set().union(*(imported_modules(p, None) for p in gpu_test_files()))
     seen: dict[str, Path] = {}
     while todo:
         name = todo.pop()
@@ -103,7 +83,7 @@ def gpu_tested_modules() -> list[Path]:
             continue
         seen[name] = path
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        todo |= _imported_modules(path, package) - seen.keys()
+        todo |= imported_modules(path, package) - seen.keys()
     return sorted(set(seen.values()))
 
 
