@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from dsv2_lib.engine.sampling import SamplingParams, filter_logits, sample
+from dsv2_lib.engine.sampling import MIN_TEMPERATURE, SamplingParams, filter_logits, sample
 
 CPU = torch.device("cpu")
 
@@ -57,6 +57,12 @@ def log_probs(*p: float) -> torch.Tensor:
         ("seed", 1.5),
         ("seed", "42"),
         ("seed", True),
+        ("seed", -1),
+        ("seed", 2**64),  # torch's generator takes 64 bits; this failed mid-run, aborting the whole batch
+        ("temperature", 1e-40),  # logits / 1e-40 overflow float32 to inf and the softmax to NaN
+        ("temperature", 5e-5),
+        ("ignore_eos", "no"),  # a non-empty string is truthy: "no" would have meant yes
+        ("ignore_eos", 1),
         ("stop_token_ids", [-1]),
         ("stop_token_ids", [3, -2]),
         ("stop_token_ids", [1.0]),
@@ -84,8 +90,8 @@ def test_invalid_params_name_the_field(field, value):
         dict(top_p=1),
         dict(top_p=1e-9),
         dict(seed=0),
-        dict(seed=-5),
-        dict(seed=2**70),
+        dict(seed=2**64 - 1),
+        dict(temperature=1e-4),
         dict(stop_token_ids=[0, 5]),
         dict(stop_token_ids=()),
         dict(ignore_eos=True),
@@ -277,3 +283,16 @@ def test_sample_rows_picks_what_sample_picks_row_by_row():
         got = sample_rows(logits, params, [p.generator(torch.device("cpu")) for p in params])
         assert got == want and (step > 0 or got[1] == 3)
         logits = torch.randn(6, 50)
+
+
+@pytest.mark.parametrize("seed", [0, 2**63, 2**64 - 1])
+def test_every_accepted_seed_seeds_a_generator(seed):
+    """The range SamplingParams accepts is the range torch's generator takes (no failure mid-run)."""
+    g = SamplingParams(temperature=1.0, seed=seed).generator(torch.device("cpu"))
+    assert g.initial_seed() == seed
+
+
+def test_the_smallest_accepted_temperature_still_samples_a_distribution():
+    logits = torch.tensor([[80.0, 79.0, -80.0]])  # as large as real logits get
+    scaled = logits / MIN_TEMPERATURE
+    assert torch.isfinite(torch.softmax(scaled, dim=-1)).all()

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+MIN_TEMPERATURE = 1e-4  # below this (but above 0) logits / temperature can overflow float32: use 0 for greedy
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes a 64-bit seed
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -32,14 +35,18 @@ class SamplingParams:
 
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "an int >= 1")
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            bad("temperature", "a finite number >= 0")
+        if (not _is_number(self.temperature) or not math.isfinite(self.temperature)
+                or not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE)):
+            bad("temperature", f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (smaller ones overflow "
+                               "the scaled logits)")
         if not _is_int(self.top_k) or self.top_k < 0:
             bad("top_k", "an int >= 0 (0 disables it)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "a number in (0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            bad("seed", "an int or None")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED):
+            bad("seed", "None or an int in 0..2**64 - 1")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "True or False")
         try:
             stop = tuple(self.stop_token_ids)  # once: a generator can be iterated only once
         except TypeError:
