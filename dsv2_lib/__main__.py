@@ -1,5 +1,6 @@
-"""Command line: ``python -m dsv2_lib generate --model tiny "To be, or not"``, and
-``python -m dsv2_lib bench`` (on a GPU: our engine against transformers, chapter 14)."""
+"""Command line: ``python -m dsv2_lib generate --model tiny "To be, or not"``,
+``python -m dsv2_lib bench`` (on a GPU: our engine against transformers, chapter 14), and
+``python -m dsv2_lib diff --model DIR "prompt"`` (the first step where our engine and transformers part)."""
 from __future__ import annotations
 
 import argparse
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="read each step's tokens back before planning the next (no host/GPU overlap)")
     gen.add_argument("--stats", action="store_true", help="print the scheduler and cache statistics to stderr")
     add_bench_parser(sub)
+    from dsv2_lib.tools.diff import add_diff_parser
+
+    add_diff_parser(sub, HelpFormatter)
     return parser
 
 
@@ -84,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         return bench_command(args)
+    if args.command == "diff":
+        from dsv2_lib.tools.diff import diff_command
+
+        return diff_command(args)
 
     from dsv2_lib.engine.llm import LLM
     from dsv2_lib.engine.sampling import SamplingParams
