@@ -1,0 +1,167 @@
+"""Build it on the GPU: write the chapter's CUDA kernel yourself, compile it with CuPy, grade it.
+
+    check_kernel("rms_norm_kernel", source)   # source: CUDA C text defining the kernel the exercise names
+
+On a CUDA GPU the source is compiled by NVRTC (through CuPy, as the engine compiles ``kernels_cu/``),
+launched on the exercise's cases with a fixed grid, and graded against the PyTorch reference exactly
+as :func:`~dsv2_lib.lessons.exercises.check` grades a Python function: one line, the first failing
+case in words. Without a GPU the part that needs none still runs: the source is compiled for sm_90
+with ``nvcc`` when it is installed, so syntax and type errors show up on any machine.
+
+Each kernel is ``extern "C"`` (a plain name to look up) and works in float32; the launch is fixed
+by the exercise, so the signature and the grid are part of the task:
+
+* ``rms_norm_kernel`` (chapter 03): ``rms_norm(const float* x, const float* weight, float* out,
+  int cols, float eps)``, one block of 256 threads per row of ``x [rows, cols]``.
+* ``silu_and_mul_kernel`` (chapter 07): ``silu_and_mul(const float* x, float* out, int rows, int inter)``,
+  one thread per output element of ``out [rows, inter]``, blocks of 256 threads, for ``x [rows, 2 * inter]``.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from dsv2_lib.core import kernels
+from dsv2_lib.lessons.exercises import _Case, _difference
+from dsv2_lib.ops import activation, norm
+
+THREADS = 256  # threads per block of every exercise's launch
+
+
+class KernelCompileError(ValueError):
+    """The reader's source does not compile (the compiler's log is the message)."""
+
+
+@dataclass(frozen=True)
+class _KernelExercise:
+    """``kernel``: the ``extern "C"`` name to launch; ``launch(fn, *args)`` runs it on CUDA copies of a
+    case's arguments and returns the result on the CPU."""
+
+    chapter: str
+    kernel: str
+    reference: Callable
+    cases: Callable[[], list[_Case]]
+    launch: Callable
+
+
+def _rms_norm_cases() -> list[_Case]:
+    g = torch.Generator().manual_seed(3)
+    shapes = [(1, 1), (3, 33), (5, 1000), (4, 2048), (2, 300)]
+    return [_Case(f"x [{r}, {c}] float32, eps 1e-6", (torch.randn(r, c, generator=g) * 3, torch.randn(c, generator=g), 1e-6))
+            for r, c in shapes]
+
+
+def _launch_rms_norm(fn, x, weight, eps):
+    x, weight = x.cuda().contiguous(), weight.cuda().contiguous()
+    out = torch.empty_like(x)
+    kernels.launch(fn, (x.shape[0],), (THREADS,), (kernels.ptr(x), kernels.ptr(weight), kernels.ptr(out),
+                                                    np.int32(x.shape[1]), np.float32(eps)))
+    return out.cpu()
+
+
+def _silu_cases() -> list[_Case]:
+    g = torch.Generator().manual_seed(7)
+    shapes = [(1, 1), (3, 7), (2, 1000), (5, 1408), (1, 10944)]
+    return [_Case(f"x [{r}, {2 * i}] float32", (torch.randn(r, 2 * i, generator=g) * 4,)) for r, i in shapes]
+
+
+def _launch_silu(fn, x):
+    x = x.cuda().contiguous()
+    rows, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, inter, device=x.device)
+    kernels.launch(fn, (-(-rows * inter // THREADS),), (THREADS,),
+                   (kernels.ptr(x), kernels.ptr(out), np.int32(rows), np.int32(inter)))
+    return out.cpu()
+
+
+KERNEL_EXERCISES = {
+    "rms_norm_kernel": _KernelExercise("03", "rms_norm", norm.rms_norm_reference, _rms_norm_cases, _launch_rms_norm),
+    "silu_and_mul_kernel": _KernelExercise("07", "silu_and_mul", activation.silu_and_mul_reference, _silu_cases,
+                                           _launch_silu),
+}
+
+
+def _exercise(name: str) -> _KernelExercise:
+    if name not in KERNEL_EXERCISES:
+        raise KeyError(f"no kernel exercise {name!r}; they are {sorted(KERNEL_EXERCISES)}")
+    return KERNEL_EXERCISES[name]
+
+
+def compile_kernel(source: str, kernel: str, device: torch.device | None = None):
+    """The kernel ``kernel`` of ``source`` compiled by NVRTC for the GPU at hand (CuPy's RawModule)."""
+    import cupy
+
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    major, minor = torch.cuda.get_device_capability(device)
+    with cupy.cuda.Device(device.index):
+        try:
+            module = cupy.RawModule(code=source, options=("-std=c++17", f"--gpu-architecture=sm_{major}{minor}",
+                                                          f"-I{kernels.KERNEL_DIR}"))
+            return module.get_function(kernel)
+        except cupy.cuda.compiler.CompileException as e:
+            raise KernelCompileError(_first_error(str(e))) from None
+        except cupy.cuda.driver.CUDADriverError as e:  # compiled, but no such (extern "C") function
+            raise KernelCompileError(f"no kernel named {kernel!r} in the source ({e}); declare it "
+                                     f'extern "C" __global__ void {kernel}(...)') from None
+
+
+def nvcc_check(source: str) -> str | None:
+    """Compile ``source`` for sm_90 with nvcc (no GPU needed): None when it compiles, else the log;
+    raises FileNotFoundError where nvcc is not installed."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise FileNotFoundError("nvcc is not installed")
+    with tempfile.TemporaryDirectory() as tmp:
+        unit = Path(tmp) / "exercise.cu"
+        unit.write_text("#include <cuda_runtime.h>\n" + source)
+        r = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", f"-I{kernels.KERNEL_DIR}", "-c", str(unit),
+                            "-o", str(Path(tmp) / "k.o")], capture_output=True, text=True)
+    if r.returncode == 0:
+        return None
+    return _first_error(r.stderr, lines_added=1)
+
+
+def _first_error(log: str, lines_added: int = 0) -> str:
+    """The compiler's first error, located in the reader's own source: ``"/tmp/x/k.cu(8): error: ..."``
+    becomes ``"line 7: error: ..."`` when one line was prepended."""
+    log = re.sub(r"\S*\.cu\((\d+)\): ", lambda m: f"line {int(m[1]) - lines_added}: ", log.strip())
+    return next((line for line in log.splitlines() if "error" in line), log.splitlines()[0] if log else "")
+
+
+def grade_kernel(name: str, source: str) -> tuple[bool | None, str]:
+    """``(passed, one line)``; ``passed`` is None when only the compile check could run (no GPU)."""
+    ex = _exercise(name)
+    if not torch.cuda.is_available() or not kernels.cupy_works():
+        try:
+            log = nvcc_check(source)
+        except FileNotFoundError:
+            return None, f"· {name}: needs a CUDA GPU (and CuPy) to run; nvcc is not here to compile-check it either"
+        if log:
+            return False, f"✗ {name}: does not compile: {log}"
+        return None, f"· {name}: compiles for sm_90 (nvcc); running it against the reference needs a CUDA GPU"
+    try:
+        fn = compile_kernel(source, ex.kernel)
+    except KernelCompileError as e:
+        return False, f"✗ {name}: does not compile: {e}"
+    cases = ex.cases()
+    for i, case in enumerate(cases, 1):
+        want = ex.reference(*case.args, **case.kwargs)
+        got = ex.launch(fn, *case.args, **case.kwargs)
+        torch.cuda.synchronize()
+        problem = _difference(got, want, exact=False)
+        if problem:
+            return False, f"✗ {name}, case {i} of {len(cases)} ({case.what}): {problem}"
+    return True, f"✓ {name}: all {len(cases)} cases match the reference on {torch.cuda.get_device_name()}"
+
+
+def check_kernel(name: str, source: str) -> None:
+    """Grade ``source`` against kernel exercise ``name`` and print the verdict: one line."""
+    print(grade_kernel(name, source)[1])

@@ -1,0 +1,82 @@
+"""The kernel exercises cannot rot: each chapter's hidden CUDA solution compiles (on any machine with
+nvcc) and, on a GPU, matches the reference on every case, while planted wrong kernels fail with a
+line that names the case and what differs."""
+import ast
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dsv2_lib.lessons.kernel_exercises import KERNEL_EXERCISES, grade_kernel
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+gpu = pytest.mark.gpu
+
+
+def kernel_solutions() -> dict[str, tuple[str, str]]:
+    """exercise name -> (chapter file, CUDA source) from the cells tagged ``solution`` that call
+    ``check_kernel("name", variable)``."""
+    found = {}
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] != "code" or "solution" not in cell["metadata"].get("tags", []):
+                continue
+            source = "".join(cell["source"])
+            for call in [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)]:
+                if getattr(call.func, "id", "") == "check_kernel":
+                    namespace = {"check_kernel": lambda *a: None}
+                    exec(compile(source, f"{path.name} solution", "exec"), namespace)
+                    found[ast.literal_eval(call.args[0])] = (path.name, namespace[call.args[1].id])
+    return found
+
+
+SOLUTIONS = kernel_solutions()
+
+
+def wrong(name: str, old: str, new: str) -> str:
+    source = SOLUTIONS[name][1]
+    assert old in source, f"{name}: the planted change no longer applies to the solution"
+    return source.replace(old, new)
+
+
+def test_every_kernel_exercise_has_a_solution_in_its_chapter():
+    assert set(SOLUTIONS) == set(KERNEL_EXERCISES)
+    for name, (chapter, _) in SOLUTIONS.items():
+        assert chapter.startswith(KERNEL_EXERCISES[name].chapter + "_"), f"{name}: solution in {chapter}"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+@pytest.mark.parametrize("name", sorted(KERNEL_EXERCISES))
+def test_without_a_gpu_the_solution_compiles_and_a_typo_does_not(name, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    passed, line = grade_kernel(name, SOLUTIONS[name][1])
+    assert passed is None and "compiles for sm_90" in line, line
+    passed, line = grade_kernel(name, wrong(name, "threadIdx.x", "threadIdx.q"))
+    assert passed is False and line.startswith(f"✗ {name}: does not compile: line ") and 'no member "q"' in line, line
+
+
+@gpu
+@pytest.mark.parametrize("name", sorted(KERNEL_EXERCISES))
+def test_the_solution_passes_on_the_gpu(name):
+    passed, line = grade_kernel(name, SOLUTIONS[name][1])
+    assert passed is True and line.startswith(f"✓ {name}: all "), line
+
+
+@gpu
+@pytest.mark.parametrize("name, old, new, says", [
+    ("rms_norm_kernel", "partial[0] / cols + eps", "partial[0] / cols", "case 1 of 5 (x [1, 1] float32"),  # no eps
+    ("rms_norm_kernel", "row[c] * scale * weight[c]", "row[c] * scale", "expected"),  # weight forgotten
+    ("rms_norm_kernel", "c < cols; c += blockDim.x) dst", "c < 32; c += blockDim.x) dst", "case 2 of 5"),
+    ("silu_and_mul_kernel", "gate / (1.f + expf(-gate)) * up", "gate * up", "case 1 of 5 (x [1, 2] float32)"),
+    ("silu_and_mul_kernel", "x[r * 2 * inter + inter + c]", "x[r * 2 * inter + c]", "expected"),  # up = gate
+])
+def test_a_wrong_kernel_fails_with_the_case_and_the_element(name, old, new, says):
+    passed, line = grade_kernel(name, wrong(name, old, new))
+    assert passed is False and line.startswith(f"✗ {name}, case ") and says in line and "got" in line, line
+
+
+@gpu
+def test_a_kernel_of_another_name_is_named_in_the_answer():
+    passed, line = grade_kernel("rms_norm_kernel", wrong("rms_norm_kernel", "void rms_norm(", "void my_norm("))
+    assert passed is False and "no kernel named 'rms_norm'" in line, line
