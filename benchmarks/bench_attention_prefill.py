@@ -3,15 +3,17 @@
     python benchmarks/bench_attention_prefill.py        # table on stdout, JSON in $DSV2_RESULTS_DIR (or /tmp)
 
 For each shape B x n (1x256 .. 8x4096, nothing cached) it times our kernels (naive only up to
-n = 512: at 4096 it takes seconds; every tensor-core variant of attention.MMA_VARIANTS), the
+n = 512: at 4096 it takes seconds; every tensor-core variant, the engine's two and the lesson's
+others: lessons/attention_prefill.ALL_MMA_VARIANTS), the
 engine's default choice, the engine's SDPA path ("sdpa": including the copy of k_pe to every head,
 timed alone as "sdpa_prep"), and torch's
 scaled_dot_product_attention with each backend: cuDNN and memory-efficient on the real shapes
 (V head 128), FlashAttention with V zero-padded to 192 (it needs equal head sizes; the padding
 costs it 192/128 of the P V work, counted as wasted). FLOPs count the causal work once:
-2 * (192 + 128) * h * sum_b n_b (n_b + 1) / 2. The engine's rule (attention.SDPA_MIN_TOKENS,
-SDPA_MIN_MAX_LEN) compares our best variant with "sdpa", SDPA as the engine runs it (k_pe copy
-included): the bare cuDNN call is faster still but is not what the engine can call.
+2 * (192 + 128) * h * sum_b n_b (n_b + 1) / 2. The engine's rule (attention.AttentionTuning:
+sdpa_min_tokens, sdpa_min_max_len) compares our best variant with "sdpa", SDPA as the engine runs it
+(k_pe copy included): the bare cuDNN call is faster still but is not what the engine can call. The
+run ends with the AttentionTuning values it measured (the defaults are this benchmark's on the H200).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from dsv2_lib.lessons import attention_prefill as lesson
 from dsv2_lib.ops import attention
 from dsv2_lib.tools.benchmark import time_cuda, time_cuda_graph
 
@@ -65,10 +68,8 @@ def main() -> dict:
         qs, ks, vs = (x.reshape(B, n, H, -1).transpose(1, 2) for x in (q, k_full, v))
         v_pad = F.pad(vs, (0, 64))
         runs = {
-            "naive": lambda: attention.prefill_attention(q, k_nope, k_pe, v, cu, cu, SCALE, version="naive"),
-            "tiled": lambda: attention.prefill_attention(q, k_nope, k_pe, v, cu, cu, SCALE, version="tiled"),
-            **{name: (lambda name=name: attention.prefill_attention(q, k_nope, k_pe, v, cu, cu, SCALE, version=name))
-               for name in attention.MMA_VARIANTS},
+            **{name: (lambda name=name: lesson.prefill_attention_version(q, k_nope, k_pe, v, cu, cu, SCALE, name))
+               for name in ("naive", "tiled", *lesson.ALL_MMA_VARIANTS)},
             "engine": lambda: attention.prefill_attention(q, k_nope, k_pe, v, cu, cu, SCALE),
             "sdpa": lambda: attention.prefill_attention(q, k_nope, k_pe, v, cu, cu, SCALE, version="sdpa"),
         }
@@ -106,7 +107,7 @@ def main() -> dict:
         print(f"{B}x{n:>6} {'sdpa_prep':>16} {prep_ms:>10.4f}            (k_pe copied to every head: part of 'sdpa')")
         sdpa_best = max((row[k]["tflops"] for k in sdpa if row.get(k)), default=None)
         row["sdpa_best_tflops"] = sdpa_best
-        ours = {k: row[k]["tflops"] for k in attention.MMA_VARIANTS if row.get(k)}
+        ours = {k: row[k]["tflops"] for k in lesson.ALL_MMA_VARIANTS if row.get(k)}
         best = max(ours, key=ours.get) if ours else None
         row["best_variant"] = best
         row["best_variant_tflops"] = ours.get(best)
@@ -139,10 +140,11 @@ def main() -> dict:
                             "kernel_variant_small": results["shapes"]["1x256"]["best_variant"]}
     print(f"crossover: the engine's SDPA path wins at every measured shape from {sdpa_from} up "
           "(None: our kernel wins at the largest)")
-    print(f"suggested attention.py settings: SDPA_MIN_TOKENS = SDPA_MIN_MAX_LEN = "
+    print(f"suggested AttentionTuning: sdpa_min_tokens = sdpa_min_max_len = "
           f"{int(sdpa_from.split('x')[1]) if sdpa_from else 'beyond the largest shape'}; "
-          f"KERNEL_VARIANT = {big['best_variant']!r}; SMALL_KERNEL_VARIANT = "
-          f"{results['shapes']['1x256']['best_variant']!r}")
+          f"kernel_variant = {big['best_variant']!r}; small_kernel_variant = "
+          f"{results['shapes']['1x256']['best_variant']!r} (a variant outside attention.MMA_VARIANTS "
+          "moves there from dsv2_lib/lessons/attention_prefill.py)")
     path = Path(os.environ.get("DSV2_RESULTS_DIR", "/tmp")) / "bench_attention_prefill.json"
     path.write_text(json.dumps(results, indent=1))
     print(f"wrote {path}")

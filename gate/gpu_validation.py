@@ -151,7 +151,7 @@ RACE = re.compile(r"(Error|Warning): Race reported between \w+ access at (.+?)\+
 def our_kernels() -> set[str]:
     """The names of every ``__global__`` function in kernels_cu/."""
     names = set()
-    for cu in (ROOT / "kernels_cu").rglob("*.cu"):
+    for cu in sorted(p for p in (ROOT / "kernels_cu").rglob("*") if p.suffix in (".cu", ".cuh")):
         names |= set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s+)?(\w+)\s*\(",
                                 cu.read_text()))  # launch bounds may call a constexpr function: f(x)
     return names

@@ -1,7 +1,7 @@
 """Prefill attention on the CPU: the packed reference, the checks on ``cu_seqlens``, the tile
 schedule, the backend rule, and an emulation of the tensor-core kernel's fragment mapping.
 
-The emulation replays ``attention_prefill_mma`` (kernels_cu/attention_prefill.cu) lane by lane in
+The emulation replays ``attention_prefill_mma`` (kernels_cu/attention_prefill.cuh) lane by lane in
 NumPy: ldmatrix and mma.sync are implemented from the PTX ISA's fragment layouts (written down
 in the kernel's comments), and the kernel's own index expressions decide which addresses each
 lane reads. If those expressions were wrong (a swapped matrix, a transposed B, a P register in
@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from dsv2_lib.lessons import attention_prefill as lesson
 from dsv2_lib.ops import attention
 from dsv2_lib.ops.attention import (
+    AttentionTuning,
     causal_attention,
+    kernel_variant,
     prefill_attention,
     prefill_attention_reference,
     prefill_backend,
@@ -81,7 +84,14 @@ def test_bad_shapes_and_versions_are_refused():
     with pytest.raises(ValueError, match="version must be one of"):
         prefill_attention(q, k_nope, k_pe, v, cu_q, cu_k, SCALE, version="fast")
     with pytest.raises(ValueError, match="on cpu"):  # a forced kernel version needs CUDA tensors
-        prefill_attention(q, k_nope, k_pe, v, cu_q, cu_k, SCALE, version="mma")
+        prefill_attention(q, k_nope, k_pe, v, cu_q, cu_k, SCALE, version=attention.TUNING.kernel_variant)
+    with pytest.raises(ValueError, match="version must be one of"):  # the lesson versions are not the engine's
+        prefill_attention(q, k_nope, k_pe, v, cu_q, cu_k, SCALE, version="naive")
+    for version in ("naive", "mma", "tiled"):
+        with pytest.raises(ValueError, match="on cpu"):
+            lesson.prefill_attention_version(q, k_nope, k_pe, v, cu_q, cu_k, SCALE, version=version)
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        lesson.prefill_attention_version(q[:, :, :100], k_nope, k_pe, v, cu_q, cu_k, SCALE, version="naive")
 
 
 def test_tile_schedule_covers_every_query_once_heaviest_first():
@@ -92,27 +102,39 @@ def test_tile_schedule_covers_every_query_once_heaviest_first():
     assert work == sorted(work, reverse=True) and tiles[0] == (2, 64)
 
 
-def test_backend_rule_uses_the_module_thresholds(monkeypatch):
-    monkeypatch.setattr(attention, "SDPA_MIN_TOKENS", 1000)
-    monkeypatch.setattr(attention, "SDPA_MIN_MAX_LEN", 500)
-    assert prefill_backend(999, 999) == "kernel"
-    assert prefill_backend(1000, 500) == "sdpa"
-    assert prefill_backend(4000, 100) == "kernel"
-    assert prefill_backend(4000, 1000, num_calls=attention.SDPA_MAX_CALLS + 1) == "kernel"
+def test_backend_rule_uses_the_tuning_record():
+    tuning = AttentionTuning(sdpa_min_tokens=1000, sdpa_min_max_len=500)
+    assert prefill_backend(999, 999, tuning=tuning) == "kernel"
+    assert prefill_backend(1000, 500, tuning=tuning) == "sdpa"
+    assert prefill_backend(4000, 100, tuning=tuning) == "kernel"
+    assert prefill_backend(4000, 1000, num_calls=tuning.sdpa_max_calls + 1, tuning=tuning) == "kernel"
+    assert prefill_backend(1000, 1000) == "kernel" and prefill_backend(1024, 1024) == "sdpa"  # the H200 record
+
+
+def test_kernel_variant_uses_the_tuning_record():
+    tuning = AttentionTuning(kernel_variant="mma_w4_st2", small_kernel_variant="mma_w8_st2", small_tiles=10)
+    assert kernel_variant(9, tuning) == "mma_w8_st2" and kernel_variant(10, tuning) == "mma_w4_st2"
+    assert kernel_variant(attention.TUNING.small_tiles - 1) == attention.TUNING.small_kernel_variant
+    assert kernel_variant(attention.TUNING.small_tiles) == attention.TUNING.kernel_variant
+    with pytest.raises(ValueError, match="not one of the engine's variants"):  # the engine launches only its own
+        AttentionTuning(kernel_variant="mma")
 
 
 def test_mma_variants_are_declared_and_fit_an_sm():
-    """Every tensor-core variant is compiled (declared) for both 16-bit types, and MINB blocks of it fit
-    the H200's 228 KB of shared memory per SM (1 KB reserved per block) and 64 K registers."""
-    names = attention.ATTENTION_CU.names
-    for v, (nw, qs, st, minb) in attention.MMA_VARIANTS.items():
-        for t in ("__half", "__nv_bfloat16"):
-            assert attention._mma_name(v, t) in names
-        assert minb * (attention.mma_shared_bytes(v) + 1024) <= 228 * 1024, v
-        assert attention.mma_shared_bytes(v) <= 227 * 1024
-    assert attention.mma_shared_bytes("mma") == 2 * 64 * (200 + 136)
-    assert set(attention.MMA_VARIANTS) < set(attention.VERSIONS)
-    assert attention.KERNEL_VARIANT in attention.MMA_VARIANTS and attention.SMALL_KERNEL_VARIANT in attention.MMA_VARIANTS
+    """Every tensor-core variant, the engine's and the lesson's, is compiled (declared by its module's kernel
+    file) for both 16-bit types, and MINB blocks of it fit the H200's 228 KB of shared memory per SM (1 KB
+    reserved per block) and 64 K registers."""
+    for kernel_file, variants in ((attention.ATTENTION_CU, attention.MMA_VARIANTS),
+                                  (lesson.ATTENTION_LESSON_CU, lesson.MMA_VARIANTS)):
+        for v, variant in variants.items():
+            for t in ("__half", "__nv_bfloat16"):
+                assert variant.kernel_name(t) in kernel_file.names
+            assert variant.min_blocks * (variant.shared_bytes() + 1024) <= 228 * 1024, v
+            assert variant.shared_bytes() <= 227 * 1024
+    assert lesson.MMA_VARIANTS["mma"].shared_bytes() == 2 * 64 * (200 + 136)
+    assert not set(lesson.MMA_VARIANTS) & set(attention.MMA_VARIANTS)  # each instantiated in one file
+    assert set(attention.VERSIONS) < set(lesson.VERSIONS) and set(lesson.ALL_MMA_VARIANTS) < set(lesson.VERSIONS)
+    assert {attention.TUNING.kernel_variant, attention.TUNING.small_kernel_variant} <= set(attention.MMA_VARIANTS)
 
 
 # ---- emulation of attention_prefill_mma (one block, lane by lane) -------------------------------------

@@ -1,4 +1,6 @@
-"""Prefill attention kernels against the packed reference on the GPU (``pytest -m gpu``).
+"""The engine's prefill attention (the tiled kernel, its tensor-core variants, SDPA and the default
+dispatch) against the packed reference on the GPU (``pytest -m gpu``). The chapter's lesson versions:
+tests/test_attention_prefill_lessons_gpu.py.
 
 Tolerance. The reference computes in fp32 from the same rounded inputs and rounds the output
 once to the dtype. The kernels also accumulate in fp32 but (a) sum in another order and use
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from dsv2_lib.ops import attention
-from dsv2_lib.ops.attention import prefill_attention, prefill_attention_reference
+from dsv2_lib.ops.attention import AttentionTuning, prefill_attention, prefill_attention_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 
@@ -50,7 +52,7 @@ def close(out, ref, v, dtype):
 
 
 def versions(dtype):
-    return ["naive", "tiled", "sdpa", None] + (list(attention.MMA_VARIANTS) if dtype != torch.float32 else [])
+    return ["tiled", "sdpa", None] + (list(attention.MMA_VARIANTS) if dtype != torch.float32 else [])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -59,35 +61,36 @@ def test_every_version_matches_the_reference(case, dtype):
     args = make(*CASES[case], dtype)
     ref = prefill_attention_reference(*args, SCALE)
     for version in versions(dtype):
-        if version == "naive" and case == "len1000" and dtype != torch.bfloat16:
-            continue  # one thread per (query, head) over 1000 keys: slow, and the bf16 run covers it
         out = prefill_attention(*args, SCALE, version=version)
         assert out.shape == ref.shape and out.dtype == dtype
         assert close(out, ref, args[3], dtype), f"version {version}"
 
 
-@pytest.mark.parametrize("backend", ["kernel", "sdpa"])
-def test_default_dispatch_follows_the_backend_rule(monkeypatch, backend):
-    monkeypatch.setattr(attention, "prefill_backend", lambda *args: backend)
+@pytest.mark.parametrize("tuning", [AttentionTuning(sdpa_min_tokens=10**9),
+                                    AttentionTuning(sdpa_min_tokens=0, sdpa_min_max_len=0)], ids=["kernel", "sdpa"])
+def test_default_dispatch_follows_the_backend_rule(tuning):
     args = make([100, 37], [0, 20], torch.bfloat16)
-    assert close(prefill_attention(*args, SCALE), prefill_attention_reference(*args, SCALE), args[3], torch.bfloat16)
-
-
-@pytest.mark.parametrize("variant", ["mma", "mma_w2"])
-def test_default_dispatch_uses_the_chosen_variants(monkeypatch, variant):
-    """The default path launches KERNEL_VARIANT / SMALL_KERNEL_VARIANT (whatever the benchmark set)."""
-    monkeypatch.setattr(attention, "KERNEL_VARIANT", variant)
-    monkeypatch.setattr(attention, "SMALL_KERNEL_VARIANT", variant)
-    args = make([300, 37, 1], [0, 20, 5], torch.bfloat16)
-    assert close(prefill_attention(*args, SCALE), prefill_attention_reference(*args, SCALE), args[3], torch.bfloat16)
+    assert attention.prefill_backend(137, 100, 2, tuning) == ("kernel" if tuning.sdpa_min_tokens else "sdpa")
+    out = prefill_attention(*args, SCALE, tuning=tuning)
+    assert close(out, prefill_attention_reference(*args, SCALE), args[3], torch.bfloat16)
 
 
 @pytest.mark.parametrize("variant", list(attention.MMA_VARIANTS))
-def test_mma_variants_on_long_sequences(variant):
-    """Many key tiles (both buffers of the two-stage variants cycle), several query tiles, a cached prefix."""
+def test_default_dispatch_uses_the_chosen_variants(variant):
+    """The default path launches the record's kernel_variant / small_kernel_variant (whatever the benchmark set)."""
+    tuning = AttentionTuning(kernel_variant=variant, small_kernel_variant=variant)
+    args = make([300, 37, 1], [0, 20, 5], torch.bfloat16)
+    out = prefill_attention(*args, SCALE, tuning=tuning)
+    assert close(out, prefill_attention_reference(*args, SCALE), args[3], torch.bfloat16)
+
+
+def test_mma_variants_on_long_sequences():
+    """Many key tiles (both buffers of the two-stage variants cycle), several query tiles, a cached prefix;
+    each of the engine's variants against one reference (the reference dominates a sanitizer run)."""
     args = make([1100, 700], [0, 333], torch.bfloat16, seed=1)
     ref = prefill_attention_reference(*args, SCALE)
-    assert close(prefill_attention(*args, SCALE, version=variant), ref, args[3], torch.bfloat16)
+    for variant in attention.MMA_VARIANTS:
+        assert close(prefill_attention(*args, SCALE, version=variant), ref, args[3], torch.bfloat16), variant
 
 
 def test_unaligned_rows_take_the_tiled_kernel():
@@ -96,7 +99,7 @@ def test_unaligned_rows_take_the_tiled_kernel():
     q, k_nope, _, v, cu_q, cu_k = make([40], [9], torch.bfloat16)
     k_pe = torch.randn(49, 66, device="cuda").to(torch.bfloat16)[:, 1:65]
     with pytest.raises(ValueError, match="16-byte aligned"):
-        prefill_attention(q, k_nope, k_pe, v, cu_q, cu_k, SCALE, version="mma")
+        prefill_attention(q, k_nope, k_pe, v, cu_q, cu_k, SCALE, version=attention.TUNING.small_kernel_variant)
     ref = prefill_attention_reference(q, k_nope, k_pe, v, cu_q, cu_k, SCALE)
     assert close(prefill_attention(q, k_nope, k_pe, v, cu_q, cu_k, SCALE), ref, v, torch.bfloat16)
 
@@ -112,13 +115,14 @@ def test_ill_formed_seqlens_are_refused_before_launch():
                                       torch.tensor([0, 20, 20], dtype=torch.int32, device="cuda")),
     }
     for msg, (cq, ck) in bad.items():
-        for version in ("naive", "tiled", *attention.MMA_VARIANTS, None):
+        for version in ("tiled", *attention.MMA_VARIANTS, None):
             with pytest.raises(ValueError, match=msg):
                 prefill_attention(q, k_nope, k_pe, v, cq, ck, SCALE, version=version)
     with pytest.raises(TypeError, match="dtype torch.float16, expected torch.bfloat16"):
         prefill_attention(q, k_nope.half(), k_pe, v, cu_q, cu_k, SCALE, version="tiled")
     with pytest.raises(TypeError, match="bfloat16 or float16"):
-        prefill_attention(q.float(), k_nope.float(), k_pe.float(), v.float(), cu_q, cu_k, SCALE, version="mma")
+        prefill_attention(q.float(), k_nope.float(), k_pe.float(), v.float(), cu_q, cu_k, SCALE,
+                          version=attention.TUNING.kernel_variant)
 
 
 def test_engine_prefill_uses_the_packed_path(monkeypatch):

@@ -15,11 +15,15 @@ Layout (DeepSeek-V2-Lite: h = 16, QK head 192 = 128 nope + 64 rope, V head 128):
 
 ``prefill_attention`` dispatches: CPU tensors (or ``DSV2_BACKEND=torch``) take the reference;
 CUDA tensors take our kernel or torch's ``scaled_dot_product_attention`` by :func:`prefill_backend`.
+This module holds what the engine runs: the tiled kernel and the tensor-core variants it launches. The
+chapter's naive kernel and its other tensor-core configurations are in ``dsv2_lib.lessons.attention_prefill``,
+launched through :func:`kernel_args` and :func:`launch_mma`.
 """
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -29,72 +33,84 @@ from dsv2_lib.core import kernels
 from dsv2_lib.core.dtypes import upcast
 from dsv2_lib.core.kernels import CUDA_TYPE
 
-D_NOPE, D_ROPE, D_V = 128, 64, 128  # the head sizes the kernels are built for (kernels_cu/attention_prefill.cu)
+D_NOPE, D_ROPE, D_V = 128, 64, 128  # the head sizes the kernels are built for (kernels_cu/attention_prefill.cuh)
 D_QK, BK = D_NOPE + D_ROPE, 64
 TILED_BQ = 16                        # queries per block of the tiled kernel
-# The tensor-core kernel's configurations (template parameters of attention_prefill_mma): name ->
-# (warps per block NW, Q in shared memory QS, K/V buffers ST, min blocks per SM MINB). A block takes
-# 16 NW queries. "mma" is the first version (measured on the H200 on 2026-11-29: 148 TFLOP/s at
-# 8 x 4096); benchmarks/bench_attention_prefill.py times them all and prints the winner per shape.
+MMA_BQ = 64                          # kernel_variant counts a launch in tiles of this many queries
+MMA_TYPES = ("__half", "__nv_bfloat16")
+
+
+class MmaVariant(NamedTuple):
+    """One configuration of the tensor-core template ``attention_prefill_mma<T, NW, QS, ST, MINB>``
+    (kernels_cu/attention_prefill.cuh): ``warps`` per block (NW; a block takes 16 NW queries), Q held in
+    shared memory instead of registers (QS), ``stages`` K/V buffers (ST), ``min_blocks`` per SM (MINB)."""
+
+    warps: int
+    q_in_smem: bool
+    stages: int
+    min_blocks: int
+
+    def kernel_name(self, ctype: str) -> str:
+        """The instantiation for element type ``ctype`` (``"__half"``, ``"__nv_bfloat16"``)."""
+        qs = "true" if self.q_in_smem else "false"
+        return f"attention_prefill_mma<{ctype}, {self.warps}, {qs}, {self.stages}, {self.min_blocks}>"
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory of one block: [sQ if QS][ST K tiles][ST V tiles], padded rows."""
+        nw, qs, st = self.warps, self.q_in_smem, self.stages
+        return 2 * ((16 * nw * (D_QK + 8) if qs else 0) + st * BK * (D_QK + 8) + st * BK * (D_V + 8))
+
+
+# The tensor-core variants the engine launches (AttentionTuning picks one per launch), both with two K/V
+# buffers: K/V(j+1) in flight during all of tile j. The chapter's other configurations, and the versions
+# it builds first, are in dsv2_lib/lessons/attention_prefill.py.
 MMA_VARIANTS = {
-    "mma": (4, False, 1, 1),
-    "mma_w8": (8, False, 1, 1),         # 128 queries: half the K/V bytes per FLOP from L2
-    "mma_w8_st2": (8, False, 2, 1),     # ... and K/V(j+1) in flight during all of tile j
-    "mma_w4_st2": (4, False, 2, 2),
-    "mma_w4_qs": (4, True, 1, 3),       # Q in shared memory: <= 168 registers, 3 blocks (12 warps) per SM
-    "mma_w4_qs_st2": (4, True, 2, 2),
-    "mma_w2": (2, False, 1, 4),         # 32 queries per block: more blocks for short sequences
-    "mma_w2_st2": (2, False, 2, 2),
-    "mma_w1": (1, False, 1, 5),         # 16 queries per block
+    "mma_w8_st2": MmaVariant(8, False, 2, 1),  # 128 queries per block: half the K/V bytes per FLOP from L2
+    "mma_w4_st2": MmaVariant(4, False, 2, 2),  # 64 queries: more blocks for smaller launches
 }
-MMA_BQ = 16 * MMA_VARIANTS["mma"][0]
-VERSIONS = ("naive", "tiled", *MMA_VARIANTS, "sdpa")
-
-
-def _mma_name(variant: str, ctype: str) -> str:
-    nw, qs, st, minb = MMA_VARIANTS[variant]
-    return f"attention_prefill_mma<{ctype}, {nw}, {'true' if qs else 'false'}, {st}, {minb}>"
-
-
-def mma_shared_bytes(variant: str) -> int:
-    """Dynamic shared memory of one block of ``variant``: [sQ if QS][ST K tiles][ST V tiles], padded rows."""
-    nw, qs, st, _ = MMA_VARIANTS[variant]
-    return 2 * ((16 * nw * (D_QK + 8) if qs else 0) + st * BK * (D_QK + 8) + st * BK * (D_V + 8))
-
+VERSIONS = ("tiled", *MMA_VARIANTS, "sdpa")
 
 ATTENTION_CU = kernels.declare(
     "attention_prefill.cu",
-    [f"attention_prefill_{v}<{t}>" for v in ("naive", "tiled") for t in CUDA_TYPE.values()]
-    + [_mma_name(v, t) for v in MMA_VARIANTS for t in ("__half", "__nv_bfloat16")],
+    [f"attention_prefill_tiled<{t}>" for t in CUDA_TYPE.values()]
+    + [m.kernel_name(t) for m in MMA_VARIANTS.values() for t in MMA_TYPES],
 )
 
-# The engine's choice, per shape, from the H200 measurement of 2026-11-29 (chapter 06's table,
-# benchmarks/bench_attention_prefill.py). The comparison is with SDPA as the engine calls it, the k_pe
-# broadcast to every head included: our best variant wins up to 512-token sequences (1 x 512: 74.7
-# vs 63.5 TFLOP/s; 8 x 512: 144 vs 120), SDPA (cuDNN) from 1024 on (1 x 1024: 159 vs 117; 8 x 4096:
-# 427 vs 259). Batches SDPA would need many calls for (mixed lengths or a cached prefix: one call per
-# sequence) take our kernel at every length. Its variant is KERNEL_VARIANT, or SMALL_KERNEL_VARIANT
-# below SMALL_TILES 64-query tiles (counting every head). The benchmark prints the crossover and
-# the winning variants to re-set these.
-SDPA_MIN_TOKENS = 1024   # at or above this many packed query tokens, SDPA ...
-SDPA_MIN_MAX_LEN = 1024  # ... provided the longest sequence has at least this many ...
-SDPA_MAX_CALLS = 8       # ... and SDPA needs at most this many calls (1 when all lengths are equal)
-KERNEL_VARIANT = "mma_w8_st2"        # 8 x 4096: 259 TFLOP/s (the first version: 240)
-SMALL_KERNEL_VARIANT = "mma_w4_st2"  # 1 x 512: 74.7, 8 x 512: 144 (the first version: 70.4, 141)
-SMALL_TILES = 2048       # 8 x 512 (1024 tiles) still takes the small variant, 8 x 4096 (8192) the large
+
+@dataclass(frozen=True)
+class AttentionTuning:
+    """Where :func:`prefill_attention` switches path, by shape: defaults for the H200, set by
+    ``benchmarks/bench_attention_prefill.py`` (it times every version and prints the values to use on
+    another GPU). The comparison is with SDPA as the engine calls it, the copy of ``k_pe`` to every
+    head included; batches SDPA would need many calls for (mixed lengths or a cached prefix: one call
+    per sequence) take our kernel at every length."""
+
+    sdpa_min_tokens: int = 1024   # SDPA at or above this many packed query tokens ...
+    sdpa_min_max_len: int = 1024  # ... provided the longest sequence has at least this many ...
+    sdpa_max_calls: int = 8       # ... and SDPA needs at most this many calls (1 when all lengths are equal)
+    kernel_variant: str = "mma_w8_st2"        # our tensor-core variant from small_tiles on ...
+    small_kernel_variant: str = "mma_w4_st2"  # ... and below (a key of MMA_VARIANTS)
+    small_tiles: int = 2048       # MMA_BQ-query tiles times heads: 8 x 512 is 1024, 8 x 4096 is 8192
+
+    def __post_init__(self):
+        for v in (self.kernel_variant, self.small_kernel_variant):
+            if v not in MMA_VARIANTS:
+                raise ValueError(f"AttentionTuning: {v!r} is not one of the engine's variants {list(MMA_VARIANTS)}")
 
 
-def prefill_backend(num_tokens: int, max_len: int, num_calls: int = 1) -> str:
+TUNING = AttentionTuning()
+
+
+def prefill_backend(num_tokens: int, max_len: int, num_calls: int = 1, tuning: AttentionTuning = TUNING) -> str:
     """``"sdpa"`` or ``"kernel"`` for ``num_tokens`` packed queries whose longest sequence has
-    ``max_len``, where SDPA would take ``num_calls`` calls: the faster one on the H200 by the
-    thresholds above (measured: see chapter 06)."""
-    return ("sdpa" if num_tokens >= SDPA_MIN_TOKENS and max_len >= SDPA_MIN_MAX_LEN and num_calls <= SDPA_MAX_CALLS
-            else "kernel")
+    ``max_len``, where SDPA would take ``num_calls`` calls: the faster one by ``tuning``'s thresholds."""
+    return ("sdpa" if num_tokens >= tuning.sdpa_min_tokens and max_len >= tuning.sdpa_min_max_len
+            and num_calls <= tuning.sdpa_max_calls else "kernel")
 
 
-def kernel_variant(num_tiles: int) -> str:
+def kernel_variant(num_tiles: int, tuning: AttentionTuning = TUNING) -> str:
     """The tensor-core variant for a launch of ``num_tiles`` (64-query tiles x heads) blocks' worth of work."""
-    return SMALL_KERNEL_VARIANT if num_tiles < SMALL_TILES else KERNEL_VARIANT
+    return tuning.small_kernel_variant if num_tiles < tuning.small_tiles else tuning.kernel_variant
 
 
 def seqlens(cu_seqlens_q: torch.Tensor | Sequence[int], cu_seqlens_k: torch.Tensor | Sequence[int],
@@ -220,92 +236,120 @@ def tile_schedule(cu_q: list[int], cu_k: list[int], block_q: int) -> list[tuple[
 
 
 def prefill_attention(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
-                      cu_seqlens_q, cu_seqlens_k, scale: float, version: str | None = None) -> torch.Tensor:
+                      cu_seqlens_q, cu_seqlens_k, scale: float, version: str | None = None,
+                      tuning: AttentionTuning = TUNING) -> torch.Tensor:
     """Causal attention of packed queries ``q [Tq, h, 192]`` over keys ``[k_nope [Tk, h, 128] | k_pe [Tk, 64]]``
     and values ``v [Tk, h, 128]`` -> ``[Tq, h, 128]`` in ``q.dtype`` (layout: module docstring).
 
-    ``version`` forces ``"naive"``, ``"tiled"``, one of the tensor-core variants (``"mma"``, ... : the keys of
+    ``version`` forces ``"tiled"``, one of the engine's tensor-core variants (the keys of
     :data:`MMA_VARIANTS`) or ``"sdpa"`` (CUDA tensors; the chapter and the benchmark use it). By default:
     the reference on the CPU; on CUDA, :func:`prefill_backend` picks SDPA or our kernel, which is the
     tensor-core one (variant by :func:`kernel_variant`) for bf16/fp16 and the tiled CUDA-core one for fp32
-    (or for 16-bit tensors whose rows are not 16-byte aligned). Head sizes other than 128/64/128 go to SDPA.
+    (or for 16-bit tensors whose rows are not 16-byte aligned), by ``tuning``'s thresholds. Head sizes
+    other than 128/64/128 go to SDPA.
     """
     if version is not None and version not in VERSIONS:
         raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
-    if q.dim() != 3 or k_nope.dim() != 3 or v.dim() != 3 or k_pe.dim() != 2:
-        raise ValueError(f"want q [Tq, h, dq], k_nope [Tk, h, dn], k_pe [Tk, dr], v [Tk, h, dv]; got "
-                         f"{list(q.shape)}, {list(k_nope.shape)}, {list(k_pe.shape)}, {list(v.shape)}")
-    Tq, h, dq = q.shape
-    Tk = k_nope.shape[0]
-    if k_nope.shape[1] != h or v.shape[:2] != (Tk, h) or k_pe.shape[0] != Tk or dq != k_nope.shape[2] + k_pe.shape[1]:
-        raise ValueError(f"inconsistent shapes: q {list(q.shape)}, k_nope {list(k_nope.shape)}, "
-                         f"k_pe {list(k_pe.shape)}, v {list(v.shape)}")
+    check_shapes(q, k_nope, k_pe, v)
     if version is None and not kernels.use_kernels(q):
         return prefill_attention_reference(q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, scale)
-    cu_q, cu_k = seqlens(cu_seqlens_q, cu_seqlens_k, Tq, Tk)
-    for t, name in ((k_nope, "k_nope"), (k_pe, "k_pe"), (v, "v")):
-        kernels.check(t, f"prefill_attention {name}", dtype=q.dtype, device=q.device, contiguous=False)
-    kernels.check(q, "prefill_attention q", contiguous=False)
+    cu_q, cu_k = cuda_seqlens(q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k)
+    Tq, h = q.shape[:2]
     fixed = (k_nope.shape[2], k_pe.shape[1], v.shape[2]) == (D_NOPE, D_ROPE, D_V)
     if version is None:
         lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
         lens_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
         one_call = len(set(lens_q)) == 1 and lens_q == lens_k
         calls = 1 if one_call else sum(n > 0 for n in lens_q)
-        if not fixed or prefill_backend(Tq, max(lens_q), calls) == "sdpa":
+        if not fixed or prefill_backend(Tq, max(lens_q), calls, tuning) == "sdpa":
             version = "sdpa"
         elif q.dtype != torch.float32 and _aligned(q, k_nope, k_pe, v):
-            version = kernel_variant(sum(-(-n // MMA_BQ) for n in lens_q) * h)
+            version = kernel_variant(sum(-(-n // MMA_BQ) for n in lens_q) * h, tuning)
         else:
             version = "tiled"
     if version == "sdpa":
         return prefill_attention_sdpa(q, k_nope, k_pe, v, cu_q, cu_k, scale)
-    if not fixed:
-        raise ValueError(f"the {version} kernel is built for head sizes {D_NOPE} + {D_ROPE} / {D_V}; got "
+    if version != "tiled":
+        return launch_mma(ATTENTION_CU, MMA_VARIANTS[version], q, k_nope, k_pe, v, cu_q, cu_k, scale)
+    check_layout(q, k_nope, k_pe, v, "tiled", mma=False)
+    out = torch.empty(Tq, h, D_V, dtype=q.dtype, device=q.device)
+    if Tq:
+        ptrs, tail, tiles = kernel_args(out, q, k_nope, k_pe, v, cu_q, cu_k, scale, TILED_BQ)
+        kernel = ATTENTION_CU.function(f"attention_prefill_tiled<{CUDA_TYPE[q.dtype]}>", q.device)
+        kernels.launch(kernel, (tiles.shape[0], h), (128,), (*ptrs, kernels.ptr(tiles), *tail))
+    return out
+
+
+def check_shapes(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor) -> None:
+    """Refuse inputs that are not ``q [Tq, h, dn + dr]``, ``k_nope [Tk, h, dn]``, ``k_pe [Tk, dr]``,
+    ``v [Tk, h, dv]``."""
+    if q.dim() != 3 or k_nope.dim() != 3 or v.dim() != 3 or k_pe.dim() != 2:
+        raise ValueError(f"want q [Tq, h, dq], k_nope [Tk, h, dn], k_pe [Tk, dr], v [Tk, h, dv]; got "
+                         f"{list(q.shape)}, {list(k_nope.shape)}, {list(k_pe.shape)}, {list(v.shape)}")
+    h, dq, Tk = q.shape[1], q.shape[2], k_nope.shape[0]
+    if k_nope.shape[1] != h or v.shape[:2] != (Tk, h) or k_pe.shape[0] != Tk or dq != k_nope.shape[2] + k_pe.shape[1]:
+        raise ValueError(f"inconsistent shapes: q {list(q.shape)}, k_nope {list(k_nope.shape)}, "
+                         f"k_pe {list(k_pe.shape)}, v {list(v.shape)}")
+
+
+def cuda_seqlens(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
+                 cu_seqlens_q, cu_seqlens_k) -> tuple[list[int], list[int]]:
+    """What every CUDA path checks first: the prefix sums (:func:`seqlens`, returned as host lists), then
+    one dtype and one CUDA device for all four tensors (any strides)."""
+    cu_q, cu_k = seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k_nope.shape[0])
+    for t, name in ((k_nope, "k_nope"), (k_pe, "k_pe"), (v, "v")):
+        kernels.check(t, f"prefill_attention {name}", dtype=q.dtype, device=q.device, contiguous=False)
+    kernels.check(q, "prefill_attention q", contiguous=False)
+    return cu_q, cu_k
+
+
+def check_layout(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor, kernel: str,
+                 mma: bool) -> None:
+    """What our kernels need on top of :func:`cuda_seqlens`: head sizes 128 + 64 / 128 and contiguous
+    rows; the tensor-core ones (``mma``) also 16-bit values in 16-byte aligned rows (``cp.async``)."""
+    if (k_nope.shape[2], k_pe.shape[1], v.shape[2]) != (D_NOPE, D_ROPE, D_V):
+        raise ValueError(f"the {kernel} kernel is built for head sizes {D_NOPE} + {D_ROPE} / {D_V}; got "
                          f"{k_nope.shape[2]} + {k_pe.shape[1]} / {v.shape[2]}")
     for t, name in ((q, "q"), (k_nope, "k_nope"), (k_pe, "k_pe"), (v, "v")):
         if t.stride(-1) != 1:
             raise ValueError(f"prefill_attention {name}: the last dimension must be contiguous (strides {t.stride()})")
-    mma = version in MMA_VARIANTS
     if mma:
         if q.dtype == torch.float32:
             raise TypeError("the mma kernel takes bfloat16 or float16 (fp32 goes to the tiled kernel)")
         if not _aligned(q, k_nope, k_pe, v):
             raise ValueError("the mma kernel needs 16-byte aligned rows: pointers and row/head strides in multiples of 8")
-    out = torch.empty(Tq, h, D_V, dtype=q.dtype, device=q.device)
-    if Tq == 0:
-        return out
-    block_q = 0 if version == "naive" else 16 * MMA_VARIANTS[version][0] if mma else TILED_BQ
-    cu_dev, tiles_dev = _device_plan(tuple(cu_q), tuple(cu_k), block_q, q.device)
+
+
+def kernel_args(out: torch.Tensor, q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
+                cu_q: list[int], cu_k: list[int], scale: float, block_q: int) -> tuple[tuple, tuple, torch.Tensor]:
+    """The arguments every version's kernel takes, around what is its own: ``(pointers, strides and scale,
+    tiles)``, the pointers ``out, q, k_nope, k_pe, v, cu_q, cu_k``, the tiles the list of
+    :func:`tile_schedule` for blocks of ``block_q`` queries on the GPU (``block_q = 0``: none needed)."""
+    if block_q and q.shape[1] > 65535:
+        raise ValueError(f"{q.shape[1]} heads exceed the grid's y limit")
+    cu_dev, tiles = _device_plan(tuple(cu_q), tuple(cu_k), block_q, q.device)
     strides = (q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_pe.stride(0), v.stride(0), v.stride(1))
-    tail = (*(np.int64(s) for s in strides), np.float32(scale * np.log2(np.e)))
     ptrs = (kernels.ptr(out), kernels.ptr(q), kernels.ptr(k_nope), kernels.ptr(k_pe), kernels.ptr(v),
             kernels.ptr(cu_dev[0]), kernels.ptr(cu_dev[1]))
-    if version == "naive":
-        kernel = ATTENTION_CU.function(f"attention_prefill_naive<{CUDA_TYPE[q.dtype]}>", q.device)
-        threads = 128
-        kernels.launch(kernel, (-(-Tq * h // threads),), (threads,),
-                       (*ptrs, np.int32(len(cu_q) - 1), np.int32(Tq), np.int32(h), *tail))
-        return out
-    if h > 65535:
-        raise ValueError(f"{h} heads exceed the grid's y limit")
-    if not mma:
-        kernel = ATTENTION_CU.function(f"attention_prefill_tiled<{CUDA_TYPE[q.dtype]}>", q.device)
-        kernels.launch(kernel, (tiles_dev.shape[0], h), (128,), (*ptrs, kernels.ptr(tiles_dev), *tail))
-        return out
-    kernel = _mma_kernel(version, CUDA_TYPE[q.dtype], q.device)
-    kernels.launch(kernel, (tiles_dev.shape[0], h), (32 * MMA_VARIANTS[version][0],),
-                   (*ptrs, kernels.ptr(tiles_dev), *tail), shared_mem=mma_shared_bytes(version))
+    return ptrs, (*(np.int64(s) for s in strides), np.float32(scale * np.log2(np.e))), tiles
+
+
+def launch_mma(kernel_file: kernels.KernelFile, variant: MmaVariant, q: torch.Tensor, k_nope: torch.Tensor,
+               k_pe: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int], scale: float) -> torch.Tensor:
+    """The tensor-core kernel in configuration ``variant`` (declared by ``kernel_file``) on inputs that passed
+    :func:`cuda_seqlens`: one block per tile of ``16 * variant.warps`` queries and head, heaviest first."""
+    check_layout(q, k_nope, k_pe, v, "mma", mma=True)
+    Tq, h = q.shape[:2]
+    out = torch.empty(Tq, h, D_V, dtype=q.dtype, device=q.device)
+    if Tq:
+        ptrs, tail, tiles = kernel_args(out, q, k_nope, k_pe, v, cu_q, cu_k, scale, 16 * variant.warps)
+        kernel = kernel_file.function(variant.kernel_name(CUDA_TYPE[q.dtype]), q.device)
+        smem = variant.shared_bytes()
+        if smem > 48 * 1024 and getattr(kernel, "max_dynamic_shared_size_bytes", 0) < smem:
+            kernel.max_dynamic_shared_size_bytes = smem  # above 48 KB is opt-in
+        kernels.launch(kernel, (tiles.shape[0], h), (32 * variant.warps,), (*ptrs, kernels.ptr(tiles), *tail),
+                       shared_mem=smem)
     return out
-
-
-def _mma_kernel(variant: str, ctype: str, device: torch.device):
-    """The compiled tensor-core variant, allowed the dynamic shared memory it needs (above 48 KB is opt-in)."""
-    kernel = ATTENTION_CU.function(_mma_name(variant, ctype), device)
-    smem = mma_shared_bytes(variant)
-    if smem > 48 * 1024 and getattr(kernel, "max_dynamic_shared_size_bytes", 0) < smem:
-        kernel.max_dynamic_shared_size_bytes = smem
-    return kernel
 
 
 @functools.lru_cache(maxsize=64)
