@@ -1,4 +1,6 @@
-"""Benchmark of the latent decode kernel (chapter 10) on the GPU: ``python benchmarks/bench_mla_decode.py``.
+"""Benchmark of chapter 10's latent decode kernel (``dsv2_lib/lessons/mla_decode_split.py``, uniform split-KV
+over a contiguous cache) on the GPU: ``python benchmarks/bench_mla_decode.py``. Its sweep sets the lesson's
+defaults (``mla_decode_config``, ``FUSED_MAX_SPLITS``).
 
 For each (batch, context) in bf16, DeepSeek-V2-Lite's rows (16 heads, 512 + 64):
 
@@ -28,8 +30,9 @@ from pathlib import Path
 
 import torch
 
-from dsv2_lib.ops import mla_decode as mla_mod
-from dsv2_lib.ops.mla_decode import STAGES, mla_decode, mla_decode_counters, mla_decode_reference, mla_decode_workspace
+from dsv2_lib.lessons import mla_decode_split as mla_mod
+from dsv2_lib.lessons.mla_decode_split import mla_decode, mla_decode_counters, mla_decode_workspace
+from dsv2_lib.ops.mla_decode import STAGES, mla_decode_reference
 from dsv2_lib.tools import benchmark
 
 H, DL, DR, SCALE = 16, 512, 64, 0.1147

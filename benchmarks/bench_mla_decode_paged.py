@@ -2,13 +2,14 @@
 
 bf16, DeepSeek-V2-Lite's rows (16 heads, 512 + 64), a paged cache of 16-row blocks whose tables are
 a random permutation of the pool. For each batch (equal lengths, and one of mixed lengths) it times
-``mla_decode_paged`` with the balanced schedule (the default; every pipeline depth) and with the
-uniform splits of chapter 10 (its default configuration), and the balanced schedule over tables in
+``mla_decode_paged`` with the balanced schedule (every pipeline depth) and chapter 10's uniform splits
+(``mla_decode_paged_uniform``, its default configuration), and the balanced schedule over tables in
 pool order (every entry's rows contiguous: what scattering the blocks costs), GPU time from replayed
 CUDA graphs, and compares the cache bytes read per second with a copy of the same bytes. The bar (issue 7): >= 75 %
 of copy at 1 x 32768, 32 x 4096 and 128 x 1024. Pools smaller than 256 MB are replicated and
 rotated so that L2 cannot serve them. Then, at the end-to-end bench's contexts (513 rows, batch 1 to
-128), the balanced schedule's ``min_tiles``. JSON to ``$DSV2_RESULTS_DIR`` (default /tmp).
+128), the balanced schedule's ``min_tiles``. These runs set ``DecodeTuning``'s defaults. JSON to
+``$DSV2_RESULTS_DIR`` (default /tmp).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import time
 import torch
 from bench_mla_decode import copy_bandwidth, kernel_device, rotated, save
 
-from dsv2_lib.ops.mla_decode import MIN_TILES_PER_SPLIT, STAGES, mla_decode_paged, mla_decode_paged_reference
+from dsv2_lib.lessons.mla_decode_split import mla_decode_paged_uniform
+from dsv2_lib.ops.mla_decode import STAGES, DecodeTuning, mla_decode_paged, mla_decode_paged_reference
 from dsv2_lib.tools import benchmark
 
 H, DL, DR, SCALE, BLOCK = 16, 512, 64, 0.1147, 16
@@ -27,7 +29,8 @@ BARS = {"1x32768": [32768], "32x4096": [4096] * 32, "128x1024": [1024] * 128}
 _rng = random.Random(0)  # Python's generator: the same lengths under every torch version (chapter 13 prints them)
 EXTRA = {"64x4096": [4096] * 64, "1x4096": [4096], "64 mixed 1..8192": [_rng.randint(1, 8192) for _ in range(64)]}
 BAR = 0.75
-MIN_TILES = (1, 2, 4)  # the serving sweep's smallest tiles per worker (the default is MIN_TILES_PER_SPLIT)
+DEFAULT = DecodeTuning()
+MIN_TILES = (1, 2, 4)  # the serving sweep's smallest tiles per worker (the default is DecodeTuning.min_tiles)
 
 
 class Case:
@@ -58,13 +61,15 @@ class Case:
         rows = [[next(it) for _ in range(k)] for k in self.need]
         return torch.tensor([r + [-1] * (max(self.need) - len(r)) for r in rows], dtype=torch.int32, device=dev)
 
-    def run(self, tab, **kw):
+    def run(self, tab, uniform=False, **kw):
         pool = self.pools[self.i % len(self.pools)]
         self.i += 1
-        mla_decode_paged(self.q, pool, tab, self.lens_t, BLOCK, SCALE, DL, max_length=max(self.lengths), out=self.out, **kw)
+        op = mla_decode_paged_uniform if uniform else mla_decode_paged
+        op(self.q, pool, tab, self.lens_t, BLOCK, SCALE, DL, max_length=max(self.lengths), out=self.out, **kw)
 
     def timed(self, tab=None, **kw) -> float:
-        """GPU ms of one call with ``kw``, after checking that configuration against the reference."""
+        """GPU ms of one call with ``kw`` (``uniform=True``: chapter 10's splits; else the balanced schedule
+        with ``tuning``), after checking that configuration against the reference."""
         tab = self.table if tab is None else tab
         ms = benchmark.time_cuda_graph(lambda: self.run(tab, **kw), calls=max(20, len(self.pools)))
         self.i = 0
@@ -84,11 +89,11 @@ def serving(dev, g) -> list[dict]:
     rows = []
     for B in (1, 8, 32, 128):
         case = Case([513] * B, g, dev)
-        ms = {m: case.timed(min_tiles=m) for m in MIN_TILES}
+        ms = {m: case.timed(tuning=DecodeTuning(min_tiles=m)) for m in MIN_TILES}
         best = min(ms, key=ms.get)
         print(f"{B:>5} x 513 | " + " ".join(f"{v * 1e3:>7.1f}" for v in ms.values())
-              + f" | best min_tiles {best}: {27 * ms[best]:.2f} ms for 27 layers (default {MIN_TILES_PER_SPLIT}: "
-              f"{27 * ms[MIN_TILES_PER_SPLIT]:.2f})")
+              + f" | best min_tiles {best}: {27 * ms[best]:.2f} ms for 27 layers (default {DEFAULT.min_tiles}: "
+              f"{27 * ms[DEFAULT.min_tiles]:.2f})")
         rows.append({"batch": B, "length": 513, "ms_by_min_tiles": {str(k): v for k, v in ms.items()}, "best": best})
         del case
         torch.cuda.empty_cache()
@@ -105,11 +110,11 @@ def main() -> int:
           f"{'% copy':>7} | {'uniform µs':>10} {'% copy':>7} | {'in order µs':>10} {'% copy':>7} | {'copy GB/s':>9}")
     for name, lengths in {**BARS, **EXTRA}.items():
         case = Case(lengths, g, dev)
-        balanced = {stages: case.timed(stages=stages) for stages in STAGES}
-        uniform = case.timed(schedule="uniform")
+        balanced = {stages: case.timed(tuning=DecodeTuning(stages=stages)) for stages in STAGES}
+        uniform = case.timed(uniform=True)
         _, copy_bw = copy_bandwidth(case.pools, case.pool_bytes)
         best = min(balanced, key=balanced.get)
-        ordered = case.timed(case.in_order, stages=best)  # the same kernel over tables in pool order
+        ordered = case.timed(case.in_order, tuning=DecodeTuning(stages=best))  # the same kernel, tables in pool order
         frac = {k: case.fraction(v, copy_bw) for k, v in balanced.items()}
         frac_u, frac_o = case.fraction(uniform, copy_bw), case.fraction(ordered, copy_bw)
         cells = " ".join(f"{v * 1e3:>7.1f}" for v in balanced.values())

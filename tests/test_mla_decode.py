@@ -1,7 +1,9 @@
 """MLA decode attention on the latent cache, on the CPU: the absorption identities, the reference,
-the split policy, bad input, and a lane-by-lane emulation of the CUDA kernel's index mapping.
+the split policy, the tuning record, bad input, and a lane-by-lane emulation of the CUDA kernels' index mapping.
 
-The emulation (``emulate_kernel``) replays ``kernels_cu/mla_decode.cu`` with the same index
+The emulation (``emulate_kernel``: chapter 10's split kernel, ``kernels_cu/lessons/mla_decode_split.cu``;
+``emulate_balanced``: the engine's balanced schedule, ``kernels_cu/mla_decode.cu``) replays their shared
+block body (``attend_rows``, ``kernels_cu/mla_decode.cuh``) with the same index
 expressions, building every MMA operand register by register as the kernel does and handing the
 MMA only what the PTX fragment layouts (copied into ``A_FRAG``/``B_FRAG``/``C_FRAG`` from the PTX
 ISA) say each lane holds. A wrong lane, row or column anywhere would scramble a matrix; run in
@@ -18,21 +20,21 @@ from hypothesis import strategies as st
 from dsv2_lib import TINY
 from dsv2_lib.model.cache import LatentCache, SequenceBatch
 from dsv2_lib.model.mla import MLA
+from dsv2_lib.lessons.mla_decode_split import mla_decode, mla_decode_splits, mla_decode_workspace
 from dsv2_lib.ops.attention import causal_attention
 from dsv2_lib.ops.mla_decode import (
     COMBINE_WIDTHS,
+    STAGES,
     TILE,
     WARPS,
+    DecodeTuning,
     balanced_schedule,
     balanced_segments,
     combine_width,
-    mla_decode,
     mla_decode_paged,
     mla_decode_paged_reference,
     mla_decode_query_dtype,
     mla_decode_reference,
-    mla_decode_splits,
-    mla_decode_workspace,
 )
 
 # ---- the identities --------------------------------------------------------------------------------
@@ -128,7 +130,7 @@ def test_split_policy_at_the_bars():
 
 
 def test_default_config_and_counters():
-    from dsv2_lib.ops.mla_decode import FUSED_MAX_SPLITS, STAGES, mla_decode_config, mla_decode_counters
+    from dsv2_lib.lessons.mla_decode_split import FUSED_MAX_SPLITS, mla_decode_config, mla_decode_counters
     splits, stages, fused = mla_decode_config(64, 16, 4096, 132)
     assert (splits is None or splits >= 1) and stages in STAGES and fused in (None, True, False)
     assert FUSED_MAX_SPLITS >= 1 and 5 in STAGES
@@ -140,7 +142,25 @@ def test_workspace_size():
     assert mla_decode_workspace(2, 16, 3, 512, "cpu").numel() == 2 * 16 * 3 * 513
 
 
-# ---- lane-level emulation of kernels_cu/mla_decode.cu ----------------------------------------------
+def test_decode_tuning_is_a_checked_frozen_record():
+    """The engine kernel's launch choices: H200 defaults, and a bad record refused where it is made."""
+    default = DecodeTuning()
+    assert (default.stages, default.min_tiles, default.workers, default.combine_width) == (2, 1, None, None)
+    assert default.stages in STAGES
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        default.stages = 3
+    assert DecodeTuning(stages=5, min_tiles=4, workers=8, combine_width=16).workers == 8
+    for bad, message in [(dict(stages=6), r"stages must be one of \(2, 3, 4, 5\), got 6"),
+                         (dict(min_tiles=0), "min_tiles must be an int >= 1, got 0"),
+                         (dict(min_tiles=None), "min_tiles must be an int >= 1, got None"),
+                         (dict(workers=0), "workers must be an int >= 1, got 0"),
+                         (dict(workers=True), "workers must be an int >= 1, got True"),
+                         (dict(combine_width=3), r"combine_width must be one of \(2, 4, 8, 16\), got 3")]:
+        with pytest.raises(ValueError, match=message):
+            DecodeTuning(**bad)
+
+
+# ---- lane-level emulation of kernels_cu/mla_decode.cuh and the kernels around it --------------------
 # PTX ISA, mma.m16n8k16 (.f16/.bf16), g = lane >> 2, t = lane & 3: (row, col) of each half of each register
 def A_FRAG(lane):
     g, t = lane >> 2, lane & 3

@@ -26,7 +26,12 @@ from dsv2_lib.model.layers import Linear
 from dsv2_lib.ops import attention
 from dsv2_lib.ops.cache_write import write_cache_rows
 from dsv2_lib.ops.mla_absorb import absorbed_output, absorbed_query
-from dsv2_lib.ops.mla_decode import latent_kernel_applies, mla_decode, mla_decode_paged, mla_decode_query_dtype
+from dsv2_lib.ops.mla_decode import (
+    latent_kernel_applies,
+    mla_decode_paged,
+    mla_decode_query_dtype,
+    mla_decode_reference,
+)
 from dsv2_lib.ops.norm import RMSNorm, rms_norm
 from dsv2_lib.ops.rope import apply_rope_
 
@@ -157,14 +162,14 @@ class MLA(nn.Module):
         """Attention on the latent cache with ``W_k``/``W_v`` absorbed: ``[T, h, v_head]``.
 
         ``q_lat = W_kᵀ q_nope [T, h, kv_lora]``; scores against each cached row ``[latent | k_pe]``
-        are ``q_lat · latent + q_pe · k_pe`` (:func:`~dsv2_lib.ops.mla_decode.mla_decode`: the kernel for
-        CUDA tensors, else the fp32 reference); the softmax-weighted sum of latents is mapped to each
+        are ``q_lat · latent + q_pe · k_pe`` (:mod:`~dsv2_lib.ops.mla_decode`: the kernel for CUDA
+        tensors, else the fp32 reference); the softmax-weighted sum of latents is mapped to each
         head's value space by ``W_v`` once at the end. The two absorbed products are
         :func:`~dsv2_lib.ops.mla_absorb.absorbed_query` and :func:`~dsv2_lib.ops.mla_absorb.absorbed_output`
         (einsums, or for a few tokens one kernel each: chapter 14). Token ``i`` of a sequence at ``start`` attends
         over its first ``start + i + 1`` rows. CUDA tensors (16-bit, a compiled shape): chapter 13's paged
         kernel (:func:`~dsv2_lib.ops.mla_decode.mla_decode_paged`) reads the rows through ``batch.block_table``
-        where they lie. Otherwise ``mla_decode`` takes rows as ``[entries, length, row_dim]``: when every
+        where they lie. Otherwise the fp32 reference takes rows as ``[entries, length, row_dim]``: when every
         context lies in one block (the contiguous cache) that is the cache itself, viewed; else each context
         is gathered through its block table (a copy).
         """
@@ -189,8 +194,8 @@ class MLA(nn.Module):
                 rows, entries = cache.view(-1, batch.block_size, cache.shape[-1]), [t[0] for t in batch.block_tables]
             else:
                 rows, entries = cache[batch.context_rows], range(len(batch.lens))  # [num_seqs, max_context, row_dim]
-            dtype = mla_decode_query_dtype(rows, c.kv_lora_rank)  # the model dtype on the kernel path, else fp32
+            dtype = mla_decode_query_dtype(rows, c.kv_lora_rank)  # fp32 (or wider): the reference path
             query = absorbed_query(q_nope, q_pe, w_k, dtype)
             slots = tuple(e for e, n in zip(entries, batch.lens) for _ in range(n))
-            out_lat = mla_decode(query, rows, slots, lengths, c.softmax_scale, c.kv_lora_rank)  # [T, h, kv_lora] fp32
+            out_lat = mla_decode_reference(query, rows, slots, lengths, c.softmax_scale, c.kv_lora_rank)
         return absorbed_output(out_lat, w_v, dtype)
