@@ -70,3 +70,14 @@ def test_linear_is_f_linear_on_the_cpu():
     assert not gemv_applies(x, layer.weight)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
     assert torch.equal(linear(x, layer.weight), layer(x))
+
+
+def test_a_header_change_changes_the_compiled_source(tmp_path, monkeypatch):
+    """CuPy's on-disk cache is keyed by the source text; a header edit must give a new text."""
+    (tmp_path / "k.cu").write_text('#include "h.cuh"\n__global__ void k() {}\n')
+    (tmp_path / "h.cuh").write_text("#define N 1\n")
+    monkeypatch.setattr(kernels, "KERNEL_DIR", tmp_path)
+    kf = kernels.KernelFile("k.cu", ("k",))
+    before = kernels._source(kf)
+    (tmp_path / "h.cuh").write_text("#define N 2\n")
+    assert kernels._source(kf) != before and kernels._source(kf).startswith('#include "h.cuh"')

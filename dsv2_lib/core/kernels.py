@@ -10,6 +10,7 @@ integers as ``numpy.int32``/``int64``, floats as ``numpy.float32``.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,13 @@ def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def _source(kf: KernelFile) -> str:
+    """The file's text, ending with a comment that names every header's contents: CuPy caches compiled
+    modules on disk by their source text, which does not see a change inside an ``#include``d header."""
+    headers = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(KERNEL_DIR.rglob("*.cuh")))).hexdigest()
+    return (KERNEL_DIR / kf.filename).read_text() + f"\n// headers: sha256 {headers}\n"
+
+
 @functools.cache
 def _compiled(kf: KernelFile, device_index: int):
     import cupy
@@ -62,7 +70,7 @@ def _compiled(kf: KernelFile, device_index: int):
     major, minor = torch.cuda.get_device_capability(device_index)
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(
-            code=(KERNEL_DIR / kf.filename).read_text(),
+            code=_source(kf),
             options=("-std=c++17", f"--gpu-architecture=sm_{major}{minor}", f"-I{KERNEL_DIR}"),
             name_expressions=kf.names,
         )
