@@ -9,20 +9,23 @@ V2-Lite's shape: 64 routed experts x 1408, top-6, 2 shared experts, hidden 2048,
    of a call from Python), transformers' DeepseekV2Moe, and the PyTorch baseline (our reference
    ``routed_experts`` + the shared MLP): ms, TFLOP/s (routed + shared FLOPs / time) and, at 1 and 32
    tokens, the weight-read time of the experts touched at the measured copy bandwidth.
-2. The regimes behind the thresholds in dsv2_lib/model/moe.py (GEMV_MAX_TOKENS, SKINNY_MAX_TOKENS,
-   GROUPED_MM_MIN_TOKENS): routed experts alone (``moe_experts``) with each path forced, at 1 ... 4096
-   tokens: the per-choice GEMV (first version), the grouped GEMV (each expert read once), the skinny
-   GEMM, our mma GEMM, torch._grouped_mm; and the thresholds this sweep recommends.
-3. The grouped GEMV's variants on the whole layer at 1 and 32 tokens (warps per block, columns per
-   warp, shared experts' gate|up inside the router launch or not): which wins, and the bars.
-4. Beyond the GEMV path, the shared experts on a side stream or not (SHARED_STREAM_MAX_TOKENS), whole
+2. The regimes behind the thresholds of ``MoETuning`` (dsv2_lib/ops/moe_experts.py): routed experts
+   alone (``moe_experts``) with each path forced by a tuning record, at 1 ... 4096 tokens: the per-choice
+   GEMV, the skinny GEMM, our mma GEMM, torch._grouped_mm, and chapter 08's grouped GEMV (each expert
+   read once; a lesson, never recommended).
+3. The grouped GEMV's variants on the whole layer (``moe_decode``) at 1 and 32 tokens (warps per block,
+   columns per warp, shared experts' gate|up inside the router launch or not): which wins, and the bars.
+4. Beyond the GEMV path, the shared experts on a side stream or not (``shared_stream_max_tokens``), whole
    layer, 8 ... 512 tokens: the largest size where the side stream still wins is the threshold.
 5. On the GEMV path (1, 2, 4 tokens), ``moe_few`` (the router in one launch with the shared experts'
    gate|up beside it, the shared experts as GEMV choices: the default) or cuBLAS's router GEMV +
    ``topk_softmax`` + the GEMV kernels, with the shared MLP on the side stream; whole layer.
+
+It ends with the ``MoETuning(...)`` that sections 2 and 4 recommend (``recommend``).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -32,8 +35,11 @@ import torch
 
 from dsv2_lib.core.config import DEEPSEEK_V2_LITE as CFG
 from dsv2_lib.core.dtypes import default_dtype
+from dsv2_lib.lessons import moe_grouped
 from dsv2_lib.model import moe
-from dsv2_lib.model.moe import MoE, route, routed_experts
+from dsv2_lib.model.moe import MoE
+from dsv2_lib.ops.moe_experts import MoETuning, moe_experts, routed_experts
+from dsv2_lib.ops.moe_routing import route
 from dsv2_lib.tools.benchmark import time_cuda, time_cuda_graph
 
 SIZES = (1, 32, 512, 4096)
@@ -41,7 +47,7 @@ SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 STREAM_SWEEP = (8, 16, 32, 64, 128, 512)
 FOLD_SIZES = (1, 2, 4)
 GEMV_SWEEP_MAX = 256  # the GEMV paths are timed up to this many tokens
-VARIANTS = [dict(GEMV_WARPS=w, GEMV_COLS_PER_WARP=c, SHARED_IN_ROUTER=r)
+VARIANTS = [dict(warps=w, cols_per_warp=c, shared_in_router=r)
             for w, c in ((8, 1), (4, 1), (8, 2), (4, 2), (8, 4)) for r in (True, False)]
 BARS = {1: ("ours/read", 1.6), 32: ("ours/read", 2.0), 512: ("TFLOP/s", 150.0), 4096: ("TFLOP/s", 400.0)}
 H, I, E, K, S = CFG.hidden_size, CFG.moe_intermediate_size, CFG.n_routed_experts, CFG.num_experts_per_tok, CFG.n_shared_experts
@@ -82,36 +88,48 @@ def flops(t: int) -> float:
     return t * (K + S) * 3 * 2 * H * I
 
 
-PATHS = ("gemv_choice", "gemv", "skinny", "mma", "grouped_mm")  # per-choice GEMV, grouped GEMV, skinny GEMM, mma GEMM, cuBLAS
+NEVER = 10**9  # a token count no batch reaches
+ENGINE_PATHS = ("gemv", "skinny", "mma", "grouped_mm")  # what moe_experts can take (choose_path's names)
+PATHS = ENGINE_PATHS[:1] + ("gemv_grouped",) + ENGINE_PATHS[1:]  # and chapter 08's grouped GEMV
+FORCE = {"gemv": MoETuning(gemv_max_tokens=NEVER, skinny_max_tokens=0, grouped_mm_min_tokens=NEVER),
+         "skinny": MoETuning(gemv_max_tokens=0, skinny_max_tokens=NEVER, grouped_mm_min_tokens=NEVER),
+         "mma": MoETuning(gemv_max_tokens=0, skinny_max_tokens=0, grouped_mm_min_tokens=NEVER),
+         "grouped_mm": MoETuning(gemv_max_tokens=0, skinny_max_tokens=0, grouped_mm_min_tokens=1)}
 
 
-def recommend(sweep: list[dict]) -> dict:
-    """The thresholds the sweep (routed experts alone, each path forced; rows ``{"tokens", "<path>_ms"}``
-    in increasing tokens, a path absent where it was not run) recommends; sets each row's ``"fastest"``.
-    GEMV up to the last size of the leading run where a GEMV kernel is fastest of all (``GEMV_KERNEL``:
-    the one of the two that wins more of those sizes); then the skinny GEMM up to the last size of the
-    run that follows where it is fastest (0: no such run); beyond, grouped_mm from the first size where
-    it beats mma at every larger size (1: at every size the kernels before it do not take)."""
-    for r in sweep:
-        r["fastest"] = min((r[n + "_ms"], n) for n in PATHS if n + "_ms" in r)[1]
-    gemv_max, wins = 0, {"gemv_choice": 0, "gemv": 0}
-    for r in sweep:
-        if r["fastest"] not in wins:
+def leading_run(rows: list[dict], wins) -> int:
+    """The tokens of the last row of the leading run of ``rows`` where ``wins(row)`` (0: none)."""
+    last = 0
+    for r in rows:
+        if not wins(r):
             break
-        gemv_max = r["tokens"]
-        wins[r["fastest"]] += 1
-    skinny_max = 0
-    for r in (r for r in sweep if r["tokens"] > gemv_max):
-        if r["fastest"] != "skinny":
-            break
-        skinny_max = r["tokens"]
+        last = r["tokens"]
+    return last
+
+
+def recommend(sweep: list[dict], streams: list[dict] = (), base: MoETuning = MoETuning()) -> MoETuning:
+    """The ``MoETuning`` the sweeps recommend; sets each sweep row's ``"fastest"`` of the paths the engine
+    can take. ``sweep``: routed experts alone, each path forced (rows ``{"tokens", "<path>_ms"}`` in
+    increasing tokens, a path absent where it was not run); ``streams``: the whole layer with the shared
+    experts on a side stream or not (rows ``{"tokens", "side_ms", "one_ms"}``).
+    The GEMV up to the last size of the leading run where it is fastest; then the skinny GEMM up to the
+    last size of the run that follows where it is fastest (0: no such run); beyond, grouped_mm from the
+    first size where it beats mma at every larger size (1: at every size the kernels before it do not
+    take; ``NEVER``: at none); the side stream up to the end of its leading run of wins. What the sweeps
+    did not measure (no grouped_mm, no streams) keeps ``base``'s value."""
+    for r in sweep:
+        r["fastest"] = min((r[n + "_ms"], n) for n in ENGINE_PATHS if n + "_ms" in r)[1]
+    gemv_max = leading_run(sweep, lambda r: r["fastest"] == "gemv")
+    skinny_max = leading_run([r for r in sweep if r["tokens"] > gemv_max], lambda r: r["fastest"] == "skinny")
     beyond = [r for r in sweep if r["tokens"] > max(gemv_max, skinny_max) and "grouped_mm_ms" in r]
     mm_min = next((r["tokens"] for i, r in enumerate(beyond)
-                   if all(b["grouped_mm_ms"] < b["mma_ms"] for b in beyond[i:])), None)
+                   if all(b["grouped_mm_ms"] < b["mma_ms"] for b in beyond[i:])), NEVER)
     if beyond and mm_min == beyond[0]["tokens"]:
         mm_min = 1
-    return {"GEMV_MAX_TOKENS": gemv_max, "GEMV_KERNEL": "per_choice" if wins["gemv_choice"] >= wins["gemv"] else "grouped",
-            "SKINNY_MAX_TOKENS": skinny_max, "GROUPED_MM_MIN_TOKENS": mm_min}
+    side_max = leading_run(streams, lambda r: r["side_ms"] < r["one_ms"]) if streams else base.shared_stream_max_tokens
+    return dataclasses.replace(base, gemv_max_tokens=gemv_max, skinny_max_tokens=skinny_max,
+                               grouped_mm_min_tokens=mm_min if beyond else base.grouped_mm_min_tokens,
+                               shared_stream_max_tokens=side_max)
 
 
 def main() -> None:
@@ -151,68 +169,64 @@ def main() -> None:
                            "max_abs_ref": float(b.abs().max())})
             rows.append(r)
 
-        knobs = ("GEMV_MAX_TOKENS", "SKINNY_MAX_TOKENS", "GROUPED_MM_MIN_TOKENS", "GEMV_KERNEL")
-        sweep, defaults = [], [getattr(moe, k) for k in knobs]
+        sweep = []
         gate_up, down = ours.experts.gate_up_proj, ours.experts.down_proj
-        paths = {"gemv_choice": (10**9, 0, 10**9, "per_choice"), "gemv": (10**9, 0, 10**9, "grouped"),
-                 "skinny": (0, 10**9, 10**9, "grouped"), "mma": (0, 0, 10**9, "grouped"), "grouped_mm": (0, 0, 1, "grouped")}
+        limits = {"gemv": 64, "gemv_grouped": GEMV_SWEEP_MAX, "skinny": GEMV_SWEEP_MAX}  # the GEMVs stop early
         for t in SWEEP:
             x = torch.randn(t, H, device="cuda").to(torch.bfloat16)
             w, ids = route(torch.nn.functional.linear(x.float(), ours.gate.weight), CFG)
             r = {"tokens": t, "routed_flop": t * K * 3 * 2 * H * I}
-            for name, values in paths.items():
-                if name == "gemv_choice" and t > 64 or name in ("gemv", "skinny") and t > GEMV_SWEEP_MAX \
-                        or name == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+            for name in PATHS:
+                if t > limits.get(name, t) or name == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
                     continue
-                for k, v in zip(knobs, values):
-                    setattr(moe, k, v)
-                r[name + "_ms"] = time_cuda_graph(lambda: moe.moe_experts(x, w, ids, gate_up, down), calls=3)
+                if name == "gemv_grouped":
+                    run = lambda: moe_grouped.grouped_experts(x, w, ids, gate_up, down)
+                else:
+                    run = lambda: moe_experts(x, w, ids, gate_up, down, tuning=FORCE[name])
+                r[name + "_ms"] = time_cuda_graph(run, calls=3)
             sweep.append(r)
-        for k, v in zip(knobs, defaults):
-            setattr(moe, k, v)
 
-        # the grouped GEMV's variants on the whole layer (the fused decode path), at 1 and 32 tokens
-        variants, saved = [], {k: getattr(moe, k) for k in VARIANTS[0]}
-        saved_max = moe.GEMV_MAX_TOKENS
-        moe.GEMV_MAX_TOKENS = max(moe.GEMV_MAX_TOKENS, 32)
+        # the grouped GEMV's variants on the whole layer (moe_decode after the router GEMM), at 1 and 32 tokens
+        sh = ours.shared_experts
+        shared_w = (sh.gate_up_proj.weight, sh.down_proj.weight)
+
+        def decode(x, **variant):
+            logits = torch.nn.functional.linear(x.float(), ours.gate.weight)
+            return moe_grouped.moe_decode(x, logits, CFG, gate_up, down, shared_w, **variant)
+
+        variants = []
         for v in VARIANTS:
-            for k, val in v.items():
-                setattr(moe, k, val)
             r = dict(v)
             for t in (1, 32):
                 x = torch.randn(t, H, device="cuda").to(torch.bfloat16)
-                r[f"ms_{t}"] = time_cuda_graph(lambda: ours(x), calls=10)
+                r[f"ms_{t}"] = time_cuda_graph(lambda: decode(x, **v), calls=10)
             variants.append(r)
-        for k, val in saved.items():
-            setattr(moe, k, val)
-        # the per-choice GEMV (the default) on the whole layer, the shared experts as more of its choices
-        saved_kernel, moe.GEMV_KERNEL = moe.GEMV_KERNEL, "per_choice"
+        # the per-choice GEMV on the whole layer (moe_few up to 32 tokens), the shared experts as more of its choices
+        ours.tuning = MoETuning(gemv_max_tokens=32)
         per_choice = {}
         for t in (1, 32):
             x = torch.randn(t, H, device="cuda").to(torch.bfloat16)
             per_choice[f"ms_{t}"] = time_cuda_graph(lambda: ours(x), calls=10)
-        moe.GEMV_KERNEL = saved_kernel
-        moe.GEMV_MAX_TOKENS = saved_max
 
-        # the shared experts on a side stream (10**9: always) or on the layer's stream (0)
-        streams, saved_streams = [], moe.SHARED_STREAM_MAX_TOKENS
+        # the shared experts on a side stream (NEVER: always) or on the layer's stream (0)
+        streams = []
         for t in STREAM_SWEEP:
             x = torch.randn(t, H, device="cuda").to(torch.bfloat16)
             r = {"tokens": t}
-            for name, limit in (("side_ms", 10**9), ("one_ms", 0)):
-                moe.SHARED_STREAM_MAX_TOKENS = limit
+            for name, limit in (("side_ms", NEVER), ("one_ms", 0)):
+                ours.tuning = MoETuning(shared_stream_max_tokens=limit)
                 r[name] = time_cuda_graph(lambda: ours(x), calls=10)
             streams.append(r)
-        moe.SHARED_STREAM_MAX_TOKENS = saved_streams
+        ours.tuning = MoETuning()
 
         # moe_few, or the router GEMV + topk_softmax + GEMVs with the shared MLP on the side stream
-        fold, applies = [], moe._few_applies
+        fold, applies = [], moe.few_applies
         for t in FOLD_SIZES:
             x = torch.randn(t, H, device="cuda").to(torch.bfloat16)
             r = {"tokens": t, "moe_few_ms": time_cuda_graph(lambda: ours(x), calls=10)}
-            moe._few_applies = lambda *a: False
+            moe.few_applies = lambda *a: False
             r["mlp_side_stream_ms"] = time_cuda_graph(lambda: ours(x), calls=10)
-            moe._few_applies = applies
+            moe.few_applies = applies
             fold.append(r)
 
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; GPU {torch.cuda.get_device_name()}")
@@ -230,32 +244,28 @@ def main() -> None:
             faster = r["ours_graph_ms"] < min(r["transformers_ms"], r["baseline_ms"])
             print(f"bar at {r['tokens']:>4} tokens: {name} {val:.2f} {'<=' if name == 'ours/read' else '>='} {bar}: "
                   f"{'MET' if ok else 'FAIL'}; faster than transformers and baseline: {faster}")
-    print("\nrouted experts alone, each path forced (ms, GPU time; gemv_choice = the per-choice GEMV):")
-    print(f"{'tokens':>6} " + " ".join(f"{n:>11}" for n in PATHS) + "  fastest")
-    recommended = recommend(sweep)
+    print("\nrouted experts alone, each path forced (ms, GPU time; gemv_grouped = chapter 08's lesson):")
+    print(f"{'tokens':>6} " + " ".join(f"{n:>12}" for n in PATHS) + "  fastest")
+    recommended = recommend(sweep, streams)
     for r in sweep:
-        print(f"{r['tokens']:>6} " + " ".join(f"{r.get(n + '_ms', float('nan')):>11.4f}" for n in PATHS) + f"  {r['fastest']}")
-    print(f"recommended: {recommended} (a crossover lies between a threshold and the next size measured); "
-          f"set now: {dict(GEMV_MAX_TOKENS=moe.GEMV_MAX_TOKENS, GEMV_KERNEL=moe.GEMV_KERNEL, SKINNY_MAX_TOKENS=moe.SKINNY_MAX_TOKENS, GROUPED_MM_MIN_TOKENS=moe.GROUPED_MM_MIN_TOKENS)}")
+        print(f"{r['tokens']:>6} " + " ".join(f"{r.get(n + '_ms', float('nan')):>12.4f}" for n in PATHS) + f"  {r['fastest']}")
     print("\nthe grouped GEMV's variants, whole layer (ms, GPU time):")
     print(f"{'warps':>5} {'cols/warp':>9} {'shared in router':>16} {'1 token':>9} {'32 tokens':>9}")
     for v in variants:
-        print(f"{v['GEMV_WARPS']:>5} {v['GEMV_COLS_PER_WARP']:>9} {str(v['SHARED_IN_ROUTER']):>16} {v['ms_1']:>9.4f} {v['ms_32']:>9.4f}")
+        print(f"{v['warps']:>5} {v['cols_per_warp']:>9} {str(v['shared_in_router']):>16} {v['ms_1']:>9.4f} {v['ms_32']:>9.4f}")
     print(f"{'per-choice GEMV (shared experts as choices)':>32} {per_choice['ms_1']:>9.4f} {per_choice['ms_32']:>9.4f}")
     read = {r["tokens"]: r["weight_read_ms"] for r in rows}
     for t in (1, 32):
         best = min(variants, key=lambda v: v[f"ms_{t}"])
-        cur = next(v for v in variants if all(v[k] == getattr(moe, k) for k in VARIANTS[0]))
-        print(f"best at {t:>2} tokens: warps {best['GEMV_WARPS']}, cols/warp {best['GEMV_COLS_PER_WARP']}, shared in router "
-              f"{best['SHARED_IN_ROUTER']}: {best[f'ms_{t}']:.4f} ms = {best[f'ms_{t}'] / read[t]:.2f} x read "
-              f"(bar {BARS[t][1]}); the configured one: {cur[f'ms_{t}']:.4f} ms")
+        cur = next(v for v in variants if (v["warps"], v["cols_per_warp"], v["shared_in_router"])
+                   == (moe_grouped.WARPS, moe_grouped.COLS_PER_WARP, False))
+        print(f"best at {t:>2} tokens: warps {best['warps']}, cols/warp {best['cols_per_warp']}, shared in router "
+              f"{best['shared_in_router']}: {best[f'ms_{t}']:.4f} ms = {best[f'ms_{t}'] / read[t]:.2f} x read "
+              f"(bar {BARS[t][1]}); the lesson's defaults: {cur[f'ms_{t}']:.4f} ms")
     print("\nshared experts on a side stream or on the layer's stream, whole layer (ms, GPU time):")
     print(f"{'tokens':>6} {'side':>9} {'one':>9}")
     for r in streams:
         print(f"{r['tokens']:>6} {r['side_ms']:>9.4f} {r['one_ms']:>9.4f}")
-    wins = [r["tokens"] for r in streams if r["side_ms"] < r["one_ms"]]
-    lead = max((t for t in wins if all(u in wins for u in STREAM_SWEEP if u <= t)), default=0)
-    print(f"side stream wins up to {lead} tokens (leading run); SHARED_STREAM_MAX_TOKENS = {moe.SHARED_STREAM_MAX_TOKENS}")
     print("\nmoe_few, or router GEMV + topk_softmax + GEMVs with the shared MLP on the side stream, whole layer "
           "(ms, GPU time):")
     print(f"{'tokens':>6} {'moe_few':>9} {'MLP':>9}")
@@ -264,15 +274,14 @@ def main() -> None:
     for c in checks:
         print(f"ours vs transformers at {c['tokens']} tokens: max |diff| {c['max_abs_diff_vs_transformers']:.3g} "
               f"(max |out| {c['max_abs_ref']:.3g})")
+    print(f"\nrecommended: {recommended} (a crossover lies between a threshold and the next size measured)\n"
+          f"set now:     {MoETuning()}")
     result = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "copy_bandwidth_Bps": bw,
-        "thresholds": {"GEMV_MAX_TOKENS": moe.GEMV_MAX_TOKENS, "SKINNY_MAX_TOKENS": moe.SKINNY_MAX_TOKENS,
-                       "GROUPED_MM_MIN_TOKENS": moe.GROUPED_MM_MIN_TOKENS},
-        "gemv": {"GEMV_KERNEL": moe.GEMV_KERNEL, "GEMV_WARPS": moe.GEMV_WARPS,
-                 "GEMV_COLS_PER_WARP": moe.GEMV_COLS_PER_WARP, "SHARED_IN_ROUTER": moe.SHARED_IN_ROUTER},
-        "recommended": recommended, "layer": rows, "paths": sweep, "gemv_variants": variants, "per_choice_layer": per_choice,
-        "shared_stream": streams, "shared_stream_max_tokens": moe.SHARED_STREAM_MAX_TOKENS, "moe_few": fold, "checks": checks, "seconds": time.time() - start,
+        "tuning": dataclasses.asdict(MoETuning()), "recommended": dataclasses.asdict(recommended),
+        "layer": rows, "paths": sweep, "gemv_variants": variants, "per_choice_layer": per_choice,
+        "shared_stream": streams, "moe_few": fold, "checks": checks, "seconds": time.time() - start,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=1))

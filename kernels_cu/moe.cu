@@ -10,141 +10,20 @@
 // then moe_gemv_gate_up / moe_gemv_down_combine over the T*k choices directly, the shared experts as more
 // choices of weight 1 (y rows in choice order; the down launch also does the combine); for tens of tokens moe_skinny<GATE_UP / DOWN> on
 // tiles of 8 sorted rows (moe_align with BLOCK = 8), the tokens as the narrow side of the mma.
+// The router of one token (route_token) and silu_mul live in moe_common.cuh, shared with chapter 08's
+// lesson kernels (lessons/moe_grouped.cu).
 //
-// Rounding follows the PyTorch reference (dsv2_lib/moe.py: routed_experts): the gate|up GEMM output is
+// Rounding follows the PyTorch reference (dsv2_lib/ops/moe_experts.py: routed_experts): the gate|up GEMM output is
 // rounded to T before SwiGLU, SwiGLU's output is rounded to T, the down GEMM output is rounded to T,
 // the weighted sum is fp32 (products rounded, then added: no FMA), rounded to T, then the shared
 // experts' output is added in T. All accumulation is fp32.
 //
 // Bounds: ids outside [0, E) are never used as an index: moe_align drops them (slot -1), the GEMV
 // kernels write zeros for them, combine skips slot -1. Everything else (shapes, E <= 256, k <= 32,
-// H and I multiples of 8, 16-byte alignment) the host checks before launch (dsv2_lib/moe.py).
+// H and I multiples of 8, 16-byte alignment) the host checks before launch (dsv2_lib/ops/moe_routing.py,
+// moe_experts.py).
 #include "tensor_core.cuh"
-
-constexpr unsigned FULL = 0xffffffffu;
-constexpr int ROUTER_PER_LANE = 8;  // experts per lane: E <= 32 * 8 = 256 (keep in sync with moe.py)
-
-// ------------------------------------------------------------------------------------------------
-// Router. One warp per token; expert e lives in lane e % 32, slot e / 32.
-// Ties: among equal scores the LOWEST expert id wins (and the lowest group id among equal groups),
-// the rule the reference implements with a stable descending sort.
-// ------------------------------------------------------------------------------------------------
-__device__ __forceinline__ bool better(float v, int i, float w, int j) { return v > w || (v == w && i < j); }
-
-// (v, i) := the best pair over the warp; `better` is a strict total order on distinct ids, so the
-// butterfly leaves every lane with the same answer.
-__device__ __forceinline__ void warp_argmax(float& v, int& i) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        const float ov = __shfl_xor_sync(FULL, v, off);
-        const int oi = __shfl_xor_sync(FULL, i, off);
-        if (better(ov, oi, v, i)) { v = ov; i = oi; }
-    }
-}
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(FULL, x, off));
-    return x;
-}
-
-// weights[t, j], ids[t, j] for the j-th pick, in pick order (descending score).
-// n_group = 0: greedy. n_group > 0: group-limited greedy (E % n_group == 0, n_group <= 32): keep the
-// topk_group groups with the best single expert, others score 0 (as in the reference), then top-k.
-// renorm: w / (sum of the k picks + 1e-20); else w * scale.
-// route_token: one warp routes token t; lane j < k returns pick j in (w, id) (id -1 if out of range).
-__device__ __forceinline__ void route_token(const float* __restrict__ row, int E, int k, int n_group, int topk_group,
-                                            int renorm, float scale, int lane, float& w_out, int& id_out) {
-
-    float p[ROUTER_PER_LANE];
-    float m = minus_inf();
-#pragma unroll
-    for (int s = 0; s < ROUTER_PER_LANE; ++s) {
-        const int e = lane + 32 * s;
-        p[s] = e < E ? row[e] : minus_inf();
-        m = fmaxf(m, p[s]);
-    }
-    m = warp_max(m);
-    float sum = 0.f;
-#pragma unroll
-    for (int s = 0; s < ROUTER_PER_LANE; ++s) {
-        const int e = lane + 32 * s;
-        p[s] = e < E ? expf(p[s] - m) : 0.f;
-        sum += p[s];
-    }
-    sum = warp_sum(sum);
-#pragma unroll
-    for (int s = 0; s < ROUTER_PER_LANE; ++s) {
-        const int e = lane + 32 * s;
-        p[s] = e < E ? p[s] / sum : minus_inf();  // empty slots can never be picked (k <= E)
-    }
-
-    if (n_group > 0) {
-        const int gsize = E / n_group;
-        float gbest = minus_inf();  // lane g holds group g's best score
-        for (int g = 0; g < n_group; ++g) {
-            float b = minus_inf();
-#pragma unroll
-            for (int s = 0; s < ROUTER_PER_LANE; ++s) {
-                const int e = lane + 32 * s;
-                if (e < E && e / gsize == g) b = fmaxf(b, p[s]);
-            }
-            b = warp_max(b);
-            if (lane == g) gbest = b;
-        }
-        unsigned keep = 0;  // bit g: group g kept (the same in every lane)
-        for (int r = 0; r < topk_group; ++r) {
-            float v = gbest;
-            int g = lane < n_group ? lane : 0x7fffffff;
-            if (lane >= n_group) v = minus_inf();
-            warp_argmax(v, g);
-            if (g < n_group) keep |= 1u << g;
-            if (lane == g) gbest = minus_inf();  // taken
-        }
-#pragma unroll
-        for (int s = 0; s < ROUTER_PER_LANE; ++s) {
-            const int e = lane + 32 * s;
-            if (e < E && !((keep >> (e / gsize)) & 1u)) p[s] = 0.f;  // masked to 0, like the reference
-        }
-    }
-
-    float mine_w = 0.f, total = 0.f;
-    int mine_id = 0;
-    for (int j = 0; j < k; ++j) {
-        float v = minus_inf();
-        int i = 0x7fffffff;
-#pragma unroll
-        for (int s = 0; s < ROUTER_PER_LANE; ++s) {
-            const int e = lane + 32 * s;
-            if (better(p[s], e, v, i)) { v = p[s]; i = e; }
-        }
-        warp_argmax(v, i);
-        total += v;  // same order in every lane: pick order
-        if (lane == j) { mine_w = v; mine_id = i; }
-        if ((i & 31) == lane) {  // the owner marks it taken: -1 is below every score (scores >= 0)
-#pragma unroll
-            for (int s = 0; s < ROUTER_PER_LANE; ++s)
-                if (lane + 32 * s == i) p[s] = -1.f;
-        }
-    }
-    w_out = renorm ? mine_w / (total + 1e-20f) : mine_w * scale;
-    id_out = (mine_id >= 0 && mine_id < E) ? mine_id : -1;
-}
-
-// Route token t (the calling warp) and store its k picks: lane j < k writes pick j to weights/ids
-// [t, j] (and, if s_ids is not nullptr, the id to s_ids[t * k + j]).
-__device__ __forceinline__ void route_and_store(float* __restrict__ weights, long long* __restrict__ ids,
-                                                int* s_ids, const float* __restrict__ logits, int t, int E, int k,
-                                                int n_group, int topk_group, int renorm, float scale, int lane) {
-    float w;
-    int id;
-    route_token(logits + (long long)t * E, E, k, n_group, topk_group, renorm, scale, lane, w, id);
-    if (lane < k) {
-        weights[(long long)t * k + lane] = w;
-        ids[(long long)t * k + lane] = id;
-        if (s_ids != nullptr) s_ids[t * k + lane] = id;
-    }
-}
+#include "moe_common.cuh"
 
 __global__ void topk_softmax(float* __restrict__ weights, long long* __restrict__ ids, const float* __restrict__ logits,
                              int T, int E, int k, int n_group, int topk_group, int renorm, float scale) {
@@ -254,7 +133,6 @@ __global__ void moe_align(int* __restrict__ sorted_rows, int* __restrict__ slot_
 constexpr int BM = 64, BN = 128, BK = 32, PITCH = BK + 8, GEMM_THREADS = 128;
 
 __device__ __forceinline__ unsigned ld32(const void* p) { return *reinterpret_cast<const unsigned*>(p); }
-__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
 
 template <typename T, bool GATE_UP>
 __global__ void __launch_bounds__(GEMM_THREADS)
@@ -396,17 +274,12 @@ moe_gemm(T* __restrict__ out, const T* __restrict__ a_src, const T* __restrict__
 // spread over thousands of blocks, i.e. over every SM of the GPU.
 // What sets the time is how many trips to memory a warp makes one after another, and how many warps
 // an SM holds to cover them: dot2 issues all the loads of a row pair (VECS vectors per lane and row)
-// before using any, and VECS trades those trips against registers. Measured on the H200 (V2-Lite,
-// batch 1; the GPU time of one launch): gate|up 18.7 us for 69 MB (VECS = 4: two trips of K = 2048;
-// 8 vectors took 20.9 us, the registers leaving fewer warps per SM); down with the combine 14.4 us
-// (VECS = 3, 4 columns a block; VECS = 6 17.4 us). The earlier form, 8 warps with the input row
-// staged in shared memory as fp32 (lane l's values 32 bytes from lane l+1's: 8-way bank conflicts)
-// and 4 loads in flight per row, took 23.2 us for the gate|up loop alone, and its down launch 20.7 us
-// in the decode step's profile.
+// before using any, and VECS trades those trips against registers (more vectors in flight, fewer
+// warps per SM): GATE_UP_VECS and DOWN_VECS are set by timing the launches on the H200.
 // ------------------------------------------------------------------------------------------------
 constexpr int GEMV_WARPS = 4, GEMV_THREADS = 32 * GEMV_WARPS;
 constexpr int GATE_UP_COLS = 2;  // gate|up columns per warp (a gate row and an up row each), one after the other
-constexpr int DOWN_COLS = 4;     // down columns per block, two at a time per warp (keep both in sync with moe.py)
+constexpr int DOWN_COLS = 4;     // down columns per block, two at a time per warp (keep both in sync with moe_experts.py)
 constexpr int GATE_UP_VECS = 4, DOWN_VECS = 3;  // VECS of dot2: K = 2048 in two trips, K = 1408 in two
 
 // dot2 (common.cuh) streams a pair of weight rows against the input row.
@@ -522,9 +395,8 @@ moe_route_few(float* __restrict__ weights, long long* __restrict__ ids, float* _
 // the sum rounded to T (ids outside [0, E) dropped), plus the shared experts in T: round(sum over p)
 // (the MLP's down projection summed in fp32 and rounded once), or `shared` [T, H] (their MLP's output).
 // A token's choices meet in one block, so the combine needs a barrier, not a count of blocks across
-// the GPU: the earlier form (one block per choice, the last of a slab's blocks to finish combining,
-// found with __threadfence and atomicAdd) took 23.3 us at one token with 6 vectors in flight per row;
-// this form 16.9 us with 6, 14.4 us with 3.
+// the GPU (one block per choice would need the last of a slab's blocks, found with __threadfence and
+// atomicAdd, to combine).
 // Dynamic shared memory: (topk + P) * COLS floats.
 template <typename T, int COLS = DOWN_COLS, int VECS = DOWN_VECS>
 __global__ void __launch_bounds__(GEMV_THREADS)
@@ -593,8 +465,8 @@ moe_gemv_down_combine(T* __restrict__ out, const T* __restrict__ h, const T* __r
 // those registers serve as the fragments of four m16n8k16 mmas with the k relabelled: mma (j, half)
 // takes k0 + 16q + 8j + 4 half + {0, 1, 2, 3} as its k = {2q, 2q+1, 2q+8, 2q+9} (the fragment layout
 // above). A and B are relabelled alike, so every product is a weight times its own input.
-// Measured on the H200 (V2-Lite experts, 32 tokens): 16 bytes per thread and step (64 per row) took
-// 0.46 ms, these 32 bytes 0.29 ms, 64 bytes 0.36 ms; torch._grouped_mm 0.38 ms.
+// 32 bytes per thread and step (128 per row and warp) keep enough loads in flight; chapter 08 times
+// 16, 32 and 64.
 // One warp owns 16 output columns over the whole K (GATE_UP: 16 gate rows and the 16 matching up rows,
 // sharing the input registers); blockIdx.x = tile, blockIdx.y = a slab of SKINNY_WARPS x 16 columns.
 // The host checks K % 64 == 0 and n_out % 16 == 0.
@@ -602,7 +474,7 @@ moe_gemv_down_combine(T* __restrict__ out, const T* __restrict__ h, const T* __r
 //          slots read nothing and get h = 0), w_all = gate_up [E, 2I, H].
 // DOWN:    out = y [tiles * 8, H], in = h (slot s reads row s), w_all = down [E, H, I].
 // ------------------------------------------------------------------------------------------------
-constexpr int SKINNY_WARPS = 4, SKINNY_ROWS = 8;  // keep in sync with moe.py
+constexpr int SKINNY_WARPS = 4, SKINNY_ROWS = 8;  // keep in sync with moe_experts.py
 
 template <typename T, bool GATE_UP>
 __global__ void __launch_bounds__(SKINNY_WARPS * 32)
@@ -673,9 +545,8 @@ moe_skinny(T* __restrict__ out, const T* __restrict__ in, const T* __restrict__ 
 // (fixed: the same result on every run, no atomics), each product rounded before the add
 // (__fmul_rn/__fadd_rn: no FMA contraction, as the reference's y * w then index_add). slot_of = nullptr
 // means y is in choice order (GEMV paths); slot -1 = dropped. ids != nullptr: choices whose id is
-// outside [0, E) are dropped too (the grouped GEMV never writes their y rows). shared = nullptr means
-// no shared experts. (The first version, one block of 256 threads per token striding over H, took
-// 11 us for one token on the H200: one SM, eight dependent rounds of scalar loads.)
+// outside [0, E) are dropped too (chapter 08's grouped GEMV never writes their y rows). shared = nullptr
+// means no shared experts.
 // ------------------------------------------------------------------------------------------------
 template <typename T>
 __global__ void moe_combine(T* __restrict__ out, const T* __restrict__ y, const float* __restrict__ weights,
@@ -708,257 +579,4 @@ __global__ void moe_combine(T* __restrict__ out, const T* __restrict__ y, const 
         res.v[u] = from_float<T>(x);
     }
     store16(out + t * H + n, res);
-}
-
-// ------------------------------------------------------------------------------------------------
-// Grouped GEMV path (a few tokens): the choices grouped by expert, so each selected expert's weight
-// rows are read ONCE and applied to all its tokens (the per-choice GEMV above reads an expert once
-// per (token, choice)). The shared experts are more work items of the same kernels.
-//
-// Work items (built on the GPU by build_items, no host sync): the valid choices sorted by expert
-// (stable: by token) into sorted [n], then each expert's segment cut into items of at most GEMV_TB
-// choices: items[3i..3i+2] = (expert, first position in sorted, count); *n_items = how many.
-// Items are expert-major: item i's expert <= item i+1's. At most min(E, n) + n / GEMV_TB items.
-//
-// Launches (moe.py: _gemv_grouped, moe_decode):
-//   moe_route_gemv   block 0: router (route_token, one warp per token) + build_items;
-//                    blocks 1..: the shared experts' gate|up (optional; overlaps the router's latency)
-//   (or moe_gemv_items: build_items from given ids)
-//   moe_gemv_grouped<T, true>   grid (slot, column chunk): h[c] for routed items, h_sh[t] for the
-//                               shared slots (if not already done by moe_route_gemv)
-//   moe_gemv_grouped<T, false>  grid (slot, column chunk): y[c] = round(h[c] W_d^T), y_sh[t] likewise
-//   moe_combine                 out = round(sum_j w y) + y_sh (fixed order: deterministic)
-// Slots: [0, max_items) routed items (slots >= *n_items exit at once), then the shared slots: for
-// gate|up S parts (part s = intermediate columns [s I, s I + I) of the shared MLP) x ceil(T / GEMV_TB)
-// token chunks, for down ceil(T / GEMV_TB) token chunks (K = S I).
-// Block: nw = blockDim.x / 32 warps, each warp cpw output columns n = (chunk cpw + r) nw + warp.
-// Each lane keeps GEMV_U 16-byte vectors per weight row in flight (v = base + 32 q + lane), then
-// multiplies them by each of the item's (<= GEMV_TB) activation rows read from L1/L2.
-// ------------------------------------------------------------------------------------------------
-constexpr int GEMV_TB = 8;  // choices per work item (keep in sync with moe.py)
-constexpr int GEMV_U = 8;   // 16-byte vectors in flight per lane per K chunk, over all NR weight rows
-
-// acc[j][r] += (this lane's share of) w[r] . a[arow[j]] over K, for j < cnt; rows of a are K long.
-template <typename T, int NR>
-__device__ __forceinline__ void gemv_rows(float (&acc)[GEMV_TB][NR], const T* const (&w)[NR], int K,
-                                          const T* __restrict__ a, const int (&arow)[GEMV_TB], int cnt, int lane) {
-    constexpr int N = Vec16<T>::N, U = GEMV_U / NR;  // U vectors per row: 8 (down) or 4 + 4 (gate|up)
-    const int nvec = K / N;
-    for (int base = 0; base < nvec; base += 32 * U) {
-        Vec16<T> wv[NR][U];
-#pragma unroll
-        for (int q = 0; q < U; ++q) {
-            const int v = base + q * 32 + lane;
-#pragma unroll
-            for (int r = 0; r < NR; ++r)
-                if (v < nvec) wv[r][q] = load16(w[r] + (long long)v * N);
-        }
-#pragma unroll
-        for (int j = 0; j < GEMV_TB; ++j) {
-            if (j >= cnt) break;  // uniform over the warp
-            const T* ar = a + (long long)arow[j] * K;
-#pragma unroll
-            for (int q = 0; q < U; ++q) {
-                const int v = base + q * 32 + lane;
-                if (v < nvec) {
-                    const Vec16<T> av = load16(ar + (long long)v * N);
-#pragma unroll
-                    for (int e = 0; e < N; ++e) {
-                        const float xe = to_float(av.v[e]);
-#pragma unroll
-                        for (int r = 0; r < NR; ++r) acc[j][r] = fmaf(to_float(wv[r][q].v[e]), xe, acc[j][r]);
-                    }
-                }
-            }
-        }
-    }
-}
-
-// One (slot, column chunk) unit of the grouped GEMV. GATE_UP: out rows h[c] (routed) / h_sh[t] (shared),
-// h = round(silu(round(x W_g^T)) * round(x W_u^T)); else y[c] / y_sh[t] = round(h W_d^T).
-// w: routed experts' gate_up [E, 2I, H] or down [E, H, I]; w_sh: the shared MLP's gate_up [2 S I, H]
-// or down [H, S I] (nullptr: no shared slots). n_items: nullptr = no routed slots (router kernel).
-template <typename T, bool GATE_UP>
-__device__ __forceinline__ void gemv_unit(int slot, int chunk, int cpw, T* __restrict__ out, T* __restrict__ out_sh,
-                                          const T* __restrict__ a, const T* __restrict__ a_sh,
-                                          const T* __restrict__ w, const T* __restrict__ w_sh,
-                                          const int* __restrict__ sorted, const int* __restrict__ items,
-                                          const int* __restrict__ n_items, int max_items,
-                                          int T_, int k, int H, int I, int S) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int arow[GEMV_TB], orow[GEMV_TB];
-    int cnt;
-    const T* w0;        // row 0 of this unit's weight (gate rows / down rows)
-    const T* w1 = nullptr;  // GATE_UP: row 0 of the up rows
-    const T* act;
-    T* dst;
-    long long ldo;      // output row stride
-    int K, n_cols;      // reduction length, output columns of this unit
-    if (slot < max_items) {  // a routed item
-        if (slot >= *n_items) return;  // uniform over the block; no barrier follows
-        const int e = items[3 * slot], start = items[3 * slot + 1];
-        cnt = items[3 * slot + 2];
-#pragma unroll
-        for (int j = 0; j < GEMV_TB; ++j) {
-            const int c = j < cnt ? sorted[start + j] : 0;
-            arow[j] = GATE_UP ? c / k : c;  // gate|up reads x[token], down reads h[choice]
-            orow[j] = c;
-        }
-        if constexpr (GATE_UP) {
-            w0 = w + (long long)e * 2 * I * H;
-            w1 = w0 + (long long)I * H;
-        } else {
-            w0 = w + (long long)e * H * I;
-        }
-        act = a;
-        dst = out;
-        ldo = GATE_UP ? I : H;
-        K = GATE_UP ? H : I;
-        n_cols = GATE_UP ? I : H;
-    } else {  // a shared slot
-        const int nchunk = (T_ + GEMV_TB - 1) / GEMV_TB;
-        const int p = slot - max_items;
-        const int part = GATE_UP ? p / nchunk : 0, q = GATE_UP ? p % nchunk : p;
-        if (w_sh == nullptr || part >= S || q >= nchunk) return;
-        cnt = min(GEMV_TB, T_ - q * GEMV_TB);
-#pragma unroll
-        for (int j = 0; j < GEMV_TB; ++j) arow[j] = orow[j] = q * GEMV_TB + (j < cnt ? j : 0);
-        if constexpr (GATE_UP) {
-            w0 = w_sh + (long long)part * I * H;
-            w1 = w_sh + ((long long)S * I + (long long)part * I) * H;
-            dst = out_sh + (long long)part * I;
-            ldo = (long long)S * I;
-            K = H;
-            n_cols = I;
-        } else {
-            w0 = w_sh;
-            dst = out_sh;
-            ldo = H;
-            K = S * I;
-            n_cols = H;
-        }
-        act = a_sh;
-    }
-#pragma unroll 1
-    for (int r = 0; r < cpw; ++r) {
-        const int n = (chunk * cpw + r) * nw + warp;
-        if (n >= n_cols) break;  // uniform over the warp
-        if constexpr (GATE_UP) {
-            const T* wr[2] = {w0 + (long long)n * K, w1 + (long long)n * K};
-            float acc[GEMV_TB][2] = {};
-            gemv_rows<T, 2>(acc, wr, K, act, arow, cnt, lane);
-#pragma unroll
-            for (int j = 0; j < GEMV_TB; ++j) {
-                if (j >= cnt) break;
-                const float g = warp_sum(acc[j][0]), u = warp_sum(acc[j][1]);
-                if (lane == 0) dst[(long long)orow[j] * ldo + n] = from_float<T>(silu_mul(round_to<T>(g), round_to<T>(u)));
-            }
-        } else {
-            const T* wr[1] = {w0 + (long long)n * K};
-            float acc[GEMV_TB][1] = {};
-            gemv_rows<T, 1>(acc, wr, K, act, arow, cnt, lane);
-#pragma unroll
-            for (int j = 0; j < GEMV_TB; ++j) {
-                if (j >= cnt) break;
-                const float y = warp_sum(acc[j][0]);
-                if (lane == 0) dst[(long long)orow[j] * ldo + n] = from_float<T>(y);
-            }
-        }
-    }
-}
-
-// grid (max_items + shared slots, column chunks), see above.
-template <typename T, bool GATE_UP>
-__global__ void __launch_bounds__(256)
-moe_gemv_grouped(T* __restrict__ out, T* __restrict__ out_sh, const T* __restrict__ a, const T* __restrict__ a_sh,
-                 const T* __restrict__ w, const T* __restrict__ w_sh, const int* __restrict__ sorted,
-                 const int* __restrict__ items, const int* __restrict__ n_items, int max_items,
-                 int T_, int k, int H, int I, int S, int cpw) {
-    gemv_unit<T, GATE_UP>(blockIdx.x, blockIdx.y, cpw, out, out_sh, a, a_sh, w, w_sh, sorted, items, n_items, max_items,
-                          T_, k, H, I, S);
-}
-
-// The items of the n choices whose expert ids (-1 = dropped) are in shared memory s_ids [n]; scratch
-// s_cnt, s_start, s_istart [E] in shared memory. Called by the whole block (it has barriers).
-__device__ void build_items(const int* __restrict__ s_ids, int n, int E, int* s_cnt, int* s_start, int* s_istart,
-                            int* __restrict__ sorted, int* __restrict__ items, int* __restrict__ n_items) {
-    const int tid = threadIdx.x;
-    for (int e = tid; e < E; e += blockDim.x) s_cnt[e] = 0;
-    __syncthreads();
-    for (int i = tid; i < n; i += blockDim.x)
-        if (s_ids[i] >= 0) atomicAdd(&s_cnt[s_ids[i]], 1);  // counts: order-independent
-    __syncthreads();
-    if (tid < 32) {  // warp 0: exclusive prefix sums over experts of the counts and of the items
-        int run_c = 0, run_i = 0;
-        for (int e0 = 0; e0 < E; e0 += 32) {
-            const int e = e0 + tid;
-            const int c = e < E ? s_cnt[e] : 0, it = (c + GEMV_TB - 1) / GEMV_TB;
-            int sc = c, si = it;  // inclusive scan over the 32 lanes
-#pragma unroll
-            for (int off = 1; off < 32; off <<= 1) {
-                const int pc = __shfl_up_sync(FULL, sc, off), pi = __shfl_up_sync(FULL, si, off);
-                if (tid >= off) { sc += pc; si += pi; }
-            }
-            if (e < E) { s_start[e] = run_c + sc - c; s_istart[e] = run_i + si - it; }
-            run_c += __shfl_sync(FULL, sc, 31);
-            run_i += __shfl_sync(FULL, si, 31);
-        }
-        if (tid == 0) *n_items = run_i;
-    }
-    __syncthreads();
-    for (int i = tid; i < n; i += blockDim.x) {  // stable scatter: rank = earlier choices of the same expert
-        const int e = s_ids[i];
-        if (e < 0) continue;
-        int rank = 0;
-        for (int j = 0; j < i; ++j) rank += s_ids[j] == e;  // all lanes read the same j: a broadcast
-        sorted[s_start[e] + rank] = i;
-    }
-    for (int e = tid; e < E; e += blockDim.x) {
-        const int c = s_cnt[e];
-        for (int q = 0; q * GEMV_TB < c; ++q) {
-            int* it = items + 3 * (s_istart[e] + q);
-            it[0] = e;
-            it[1] = s_start[e] + q * GEMV_TB;
-            it[2] = min(GEMV_TB, c - q * GEMV_TB);
-        }
-    }
-}
-
-// One block: the items of given ids [n] (int64; outside [0, E) = dropped). Dynamic shared memory (n + 3E) ints.
-__global__ void moe_gemv_items(int* __restrict__ sorted, int* __restrict__ items, int* __restrict__ n_items,
-                               const long long* __restrict__ ids, int n, int E) {
-    extern __shared__ int ismem[];
-    int* s_ids = ismem;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const long long e = ids[i];
-        s_ids[i] = (e >= 0 && e < E) ? (int)e : -1;
-    }
-    __syncthreads();
-    build_items(s_ids, n, E, ismem + n, ismem + n + E, ismem + n + 2 * E, sorted, items, n_items);
-}
-
-// Block 0: the router for all T_ tokens (one warp per token, as topk_softmax) and build_items.
-// Blocks 1..: the shared slots of the gate|up GEMV (gemv_unit with no routed slots), if w_sh != nullptr;
-// unit u = (slot u / n_chunks, chunk u % n_chunks). Dynamic shared memory (T_ k + 3E) ints.
-template <typename T>
-__global__ void __launch_bounds__(256)
-moe_route_gemv(float* __restrict__ weights, long long* __restrict__ ids, const float* __restrict__ logits,
-               int T_, int E, int k, int n_group, int topk_group, int renorm, float scale,
-               int* __restrict__ sorted, int* __restrict__ items, int* __restrict__ n_items,
-               T* __restrict__ h_sh, const T* __restrict__ x, const T* __restrict__ w_sh, int H, int I, int S,
-               int cpw, int n_chunks) {
-    if (blockIdx.x > 0) {
-        const int u = blockIdx.x - 1;
-        gemv_unit<T, true>(u / n_chunks, u % n_chunks, cpw, nullptr, h_sh, nullptr, x, nullptr, w_sh, nullptr,
-                           nullptr, nullptr, 0, T_, k, H, I, S);
-        return;  // uniform over the block
-    }
-    extern __shared__ int rsmem[];
-    int* s_ids = rsmem;
-    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    for (int t = threadIdx.x >> 5; t < T_; t += nw)
-        route_and_store(weights, ids, s_ids, logits, t, E, k, n_group, topk_group, renorm, scale, lane);
-    __syncthreads();
-    const int n = T_ * k;
-    build_items(s_ids, n, E, rsmem + n, rsmem + n + E, rsmem + n + 2 * E, sorted, items, n_items);
 }

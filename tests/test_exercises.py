@@ -11,8 +11,7 @@ import torch
 
 from dsv2_lib.engine import sampling
 from dsv2_lib.lessons.exercises import EXERCISES, check, generate_with, grade, merge_splits_reference, swapped
-from dsv2_lib.model import moe
-from dsv2_lib.ops import norm, rope
+from dsv2_lib.ops import moe_routing, norm, rope
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -52,7 +51,7 @@ def test_the_solution_passes(name, capsys):
     assert capsys.readouterr().out == line + "\n"
 
 
-_ref_rms, _ref_route, _ref_filter = norm.rms_norm_reference, moe.route, sampling.filter_logits
+_ref_rms, _ref_route, _ref_filter = norm.rms_norm_reference, moe_routing.route, sampling.filter_logits
 
 
 def _no_weight(x, weight, eps):
@@ -72,7 +71,7 @@ def _softmax_after_topk(logits, cfg):  # picks by logit, then softmax over the k
 
 
 def _unpadded_align(ids, n_experts, block):
-    return moe.moe_align_reference(ids, n_experts, 1)
+    return moe_routing.moe_align_reference(ids, n_experts, 1)
 
 
 def _top_p_inclusive(logits, params):  # drops the token that crosses top_p instead of keeping it
@@ -205,7 +204,7 @@ def test_swapped_replaces_the_engine_function_and_restores_it():
 
     assert "identical to the engine's own" in generate_with("rms_norm", spy, max_tokens=3)
     assert calls, "the engine never called the swapped-in function"
-    assert norm.rms_norm_reference is _ref_rms and moe.route is _ref_route and sampling.filter_logits is _ref_filter
+    assert norm.rms_norm_reference is _ref_rms and moe_routing.route is _ref_route and sampling.filter_logits is _ref_filter
     assert "part from the engine's at token" in generate_with("rms_norm", _no_weight, max_tokens=8)
     with pytest.raises(ValueError, match="no engine function"):
         with swapped("moe_align", _unpadded_align):

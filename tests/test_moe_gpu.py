@@ -22,8 +22,12 @@ from dsv2_lib.core import kernels
 from dsv2_lib.core.config import TINY
 from dsv2_lib.core.dtypes import default_dtype
 from dsv2_lib.model import moe
-from dsv2_lib.model.moe import MoE, moe_align, moe_align_reference, moe_experts, route, routed_experts, topk_softmax
+from dsv2_lib.model.moe import MoE
+from dsv2_lib.ops import moe_experts as experts_op
+from dsv2_lib.ops import moe_routing
 from dsv2_lib.ops.activation import silu_and_mul_reference
+from dsv2_lib.ops.moe_experts import MoETuning, moe_experts, routed_experts
+from dsv2_lib.ops.moe_routing import moe_align, moe_align_reference, route, topk_softmax
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 
@@ -31,6 +35,14 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 REL = {torch.float32: 2e-5, torch.float16: 4 * 2**-11, torch.bfloat16: 4 * 2**-8}
 LITE = dict(e=64, k=6, h=2048, i=1408)
 SMALL = dict(e=16, k=2, h=256, i=96)
+DEFAULT = MoETuning()
+EVERYTHING = 10**9
+FORCE = {  # tunings under which every token count takes the path
+    "gemv": MoETuning(gemv_max_tokens=EVERYTHING, skinny_max_tokens=0, grouped_mm_min_tokens=EVERYTHING),
+    "skinny": MoETuning(gemv_max_tokens=0, skinny_max_tokens=EVERYTHING, grouped_mm_min_tokens=EVERYTHING),
+    "mma": MoETuning(gemv_max_tokens=0, skinny_max_tokens=0, grouped_mm_min_tokens=EVERYTHING),
+    "grouped_mm": MoETuning(gemv_max_tokens=0, skinny_max_tokens=0, grouped_mm_min_tokens=1),
+}
 
 
 def close(got, want, dtype):
@@ -120,8 +132,8 @@ def test_moe_align_one_expert_takes_everything_and_drops_bad_ids():
 @pytest.mark.parametrize("shape", ["small", pytest.param("lite", marks=pytest.mark.large_reference)])
 def test_moe_experts_matches_reference(t, dtype, shape):
     s = SMALL if shape == "small" else LITE
-    if dtype == torch.float32 and t > moe.FP32_GEMV_MAX_TOKENS:
-        pytest.skip("fp32 beyond FP32_GEMV_MAX_TOKENS takes the reference itself")
+    if dtype == torch.float32 and t > DEFAULT.fp32_gemv_max_tokens:
+        pytest.skip("fp32 beyond fp32_gemv_max_tokens takes the reference itself")
     gate_up, down = experts(s["e"], s["h"], s["i"], dtype)
     x = torch.randn(t, s["h"], device="cuda").to(dtype)
     w, ids = random_choice(t, s["k"], s["e"], seed=t)
@@ -132,38 +144,31 @@ def test_moe_experts_matches_reference(t, dtype, shape):
 
 
 @pytest.mark.large_reference
-@pytest.mark.parametrize("path", ["gemv", "gemv_per_choice", "skinny", "mma", "grouped_mm"])
+@pytest.mark.parametrize("path", sorted(FORCE))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_every_path_matches_reference(path, dtype, monkeypatch):
-    """Force each regime at the same sizes (thresholds moved), including experts with no tokens."""
+def test_every_path_matches_reference(path, dtype):
+    """Force each regime at the same sizes (a tuning that sends every size there), including experts with no tokens."""
     if path == "grouped_mm" and (dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm")):
         pytest.skip("torch._grouped_mm: bf16 only")
-    force(monkeypatch, path)
     gate_up, down = experts(64, 2048, 1408, dtype)
     for t in (5, 40):
         x = torch.randn(t, 2048, device="cuda").to(dtype)
         w, ids = random_choice(t, 6, 64, seed=t)
         ids[:, :] = torch.arange(6, device="cuda") * 3  # only 6 of 64 experts get tokens
-        assert close(moe_experts(x, w, ids, gate_up, down), routed_experts(x, w, ids, gate_up, down), dtype)
-
-
-def force(monkeypatch, path):
-    """Move the thresholds so that every token count takes ``path``."""
-    monkeypatch.setattr(moe, "GEMV_KERNEL", "per_choice" if path == "gemv_per_choice" else "grouped")
-    monkeypatch.setattr(moe, "GEMV_MAX_TOKENS", 10**9 if path.startswith("gemv") else 0)
-    monkeypatch.setattr(moe, "SKINNY_MAX_TOKENS", 10**9 if path == "skinny" else 0)
-    monkeypatch.setattr(moe, "GROUPED_MM_MIN_TOKENS", 1 if path == "grouped_mm" else 10**9)
+        got = moe_experts(x, w, ids, gate_up, down, tuning=FORCE[path])
+        assert close(got, routed_experts(x, w, ids, gate_up, down), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("path,t", [("mma", 300), ("skinny", 100)])
-def test_one_expert_takes_all_tokens(path, t, dtype, monkeypatch):
-    force(monkeypatch, path)  # 300 rows of one expert in 64-row tiles; 100 in 13 tiles of 8, the last partly padding
+def test_one_expert_takes_all_tokens(path, t, dtype):
+    # 300 rows of one expert in 64-row tiles; 100 in 13 tiles of 8, the last partly padding
     gate_up, down = experts(16, 256, 128, dtype)
     x = torch.randn(t, 256, device="cuda").to(dtype)
     ids = torch.full((t, 1), 11, dtype=torch.int64, device="cuda")
     w = torch.rand(t, 1, device="cuda")
-    assert close(moe_experts(x, w, ids, gate_up, down), routed_experts(x, w, ids, gate_up, down), dtype)
+    got = moe_experts(x, w, ids, gate_up, down, tuning=FORCE[path])
+    assert close(got, routed_experts(x, w, ids, gate_up, down), dtype)
 
 
 def few_layer(name, shared, dtype):
@@ -188,7 +193,7 @@ def test_few_token_layer_matches_the_router_kernel_and_the_mlp(name, shared, dty
     cfg, layer = few_layer(name, shared, dtype)
     calls = []
     monkeypatch.setattr(moe, "moe_few", lambda *a, f=moe.moe_few: calls.append(1) or f(*a))
-    sizes = (1, 3, moe.GEMV_MAX_TOKENS) + ((33,) if dtype == torch.float32 else ())
+    sizes = (1, 3, DEFAULT.gemv_max_tokens) + ((33,) if dtype == torch.float32 else ())
     for t in sizes:
         x = torch.randn(t, 256, device="cuda").to(dtype)
         got = layer(x)
@@ -197,7 +202,7 @@ def test_few_token_layer_matches_the_router_kernel_and_the_mlp(name, shared, dty
         want = moe_experts(x, w, ids, layer.experts.gate_up_proj, layer.experts.down_proj, mlp)
         assert close(got, want, dtype), t
         assert torch.equal(layer(x), got), t
-        assert not moe._COUNTERS[0].any()
+        assert not moe_routing._COUNTERS[0].any()
     assert len(calls) == 2 * len(sizes)  # two layer calls per size
 
 
@@ -209,24 +214,24 @@ def test_route_few_gives_topk_softmax_picks_and_the_shared_rows(name, dtype):
     rows after the T·k routed ones are the shared MLP's SwiGLU output, part p = its columns [p·I, (p+1)·I)."""
     cfg, layer = few_layer(name, 2, dtype)
     sh, i, k = layer.shared_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-    for t in (1, 2, moe.GEMV_MAX_TOKENS):
+    for t in (1, 2, DEFAULT.gemv_max_tokens):
         x = torch.randn(t, 256, device="cuda").to(dtype)
-        weights, ids, logits, hid = moe.route_few(x, layer.gate.weight, cfg, sh.gate_up_proj.weight)
+        weights, ids, logits, hid = moe_routing.route_few(x, layer.gate.weight, cfg, sh.gate_up_proj.weight)
         exact = x.double() @ layer.gate.weight.double().T
         assert ((logits.double() - exact).abs() <= 1e-5 * exact.abs().amax(-1, keepdim=True)).all(), t
         w2, ids2 = topk_softmax(logits, cfg)
         assert torch.equal(ids, ids2) and torch.equal(weights, w2), t
         hidden = silu_and_mul_reference(torch.nn.functional.linear(x, sh.gate_up_proj.weight))  # [t, 2I]: part 0 | part 1
         assert close(hid[t * k:], hidden.reshape(2 * t, i), dtype), t
-        assert not moe._COUNTERS[0].any()
+        assert not moe_routing._COUNTERS[0].any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemv_combine_is_deterministic(dtype, monkeypatch):
+def test_gemv_combine_is_deterministic(dtype):
     """The per-choice GEMV's down launch also combines: one block per (token, column slab) computes all
     of its token's choices and sums them in pick order, so every run gives the same bits. 33 tokens: more
     than one block row; H = 264: a width that is not a power of two."""
-    force(monkeypatch, "gemv_per_choice")
+    gemv = FORCE["gemv"]
     for h in (256, 264):
         gate_up, down = experts(16, h, 96, dtype)
         for t in (1, 4, 33):
@@ -234,12 +239,12 @@ def test_gemv_combine_is_deterministic(dtype, monkeypatch):
             w, ids = random_choice(t, 3, 16, seed=t)
             ids[0, 1] = 99  # a dropped choice
             shared = torch.randn(t, h, device="cuda").to(dtype)
-            first = moe_experts(x, w, ids, gate_up, down, shared)
+            first = moe_experts(x, w, ids, gate_up, down, shared, tuning=gemv)
             keep = ids.clone().masked_fill_(ids >= 16, 0)
             want = routed_experts(x, w.masked_fill(ids >= 16, 0.0), keep, gate_up, down) + shared
             assert close(first, want, dtype), (h, t)
             for _ in range(5):
-                assert torch.equal(moe_experts(x, w, ids, gate_up, down, shared), first)
+                assert torch.equal(moe_experts(x, w, ids, gate_up, down, shared, tuning=gemv), first)
 
 
 @pytest.mark.cuda_graph
@@ -247,11 +252,11 @@ def test_router_counters_are_not_grown_inside_a_capture(monkeypatch):
     cfg, layer = few_layer("lite", 2, torch.bfloat16)
     x = torch.randn(2, 256, device="cuda").to(torch.bfloat16)
     args = (x, layer.gate.weight, cfg, layer.shared_experts.gate_up_proj.weight)
-    moe.route_few(*args)  # compiles the kernel; the counters exist now
-    monkeypatch.setattr(moe, "_COUNTERS", {})
+    moe_routing.route_few(*args)  # compiles the kernel; the counters exist now
+    monkeypatch.setattr(moe_routing, "_COUNTERS", {})
     with pytest.raises(RuntimeError, match="run the step once eagerly"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            moe.route_few(*args)
+            moe_routing.route_few(*args)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -260,25 +265,25 @@ def test_router_counters_are_not_grown_inside_a_capture(monkeypatch):
 def test_skinny_gemm_matches_reference(t, h, i, dtype, monkeypatch):
     """The skinny grouped GEMM at sizes around its tile (8 rows), one or more 64-column slabs, K a
     multiple of 64, with shared experts; other h, i fall back (the next test)."""
-    force(monkeypatch, "skinny")
     gate_up, down = experts(16, h, i, dtype, seed=t)
     x = torch.randn(t, h, device="cuda").to(dtype)
     w, ids = random_choice(t, 3, 16, seed=t)
     shared = torch.randn(t, h, device="cuda").to(dtype)
     calls = []
-    monkeypatch.setattr(moe, "skinny_experts", lambda *a, f=moe.skinny_experts: calls.append(1) or f(*a))
-    assert close(moe_experts(x, w, ids, gate_up, down, shared), routed_experts(x, w, ids, gate_up, down) + shared, dtype)
+    monkeypatch.setattr(experts_op, "skinny_experts", lambda *a, f=experts_op.skinny_experts: calls.append(1) or f(*a))
+    got = moe_experts(x, w, ids, gate_up, down, shared, tuning=FORCE["skinny"])
+    assert close(got, routed_experts(x, w, ids, gate_up, down) + shared, dtype)
     assert calls == [1]
 
 
 def test_skinny_gemm_needs_multiples_of_64(monkeypatch):
-    force(monkeypatch, "skinny")
     calls = []
-    monkeypatch.setattr(moe, "skinny_experts", lambda *a: calls.append(1))
+    monkeypatch.setattr(experts_op, "skinny_experts", lambda *a: calls.append(1))
     gate_up, down = experts(16, 256, 96, torch.bfloat16)  # I = 96: a multiple of 32, not of 64
     x = torch.randn(9, 256, device="cuda").to(torch.bfloat16)
     w, ids = random_choice(9, 2, 16)
-    assert close(moe_experts(x, w, ids, gate_up, down), routed_experts(x, w, ids, gate_up, down), torch.bfloat16)
+    got = moe_experts(x, w, ids, gate_up, down, tuning=FORCE["skinny"])
+    assert close(got, routed_experts(x, w, ids, gate_up, down), torch.bfloat16)
     assert calls == []
 
 
@@ -312,124 +317,33 @@ def test_moe_experts_refuses_bad_input():
         moe_align(ids.t(), 16, 64)
 
 
-def test_bad_ids_are_dropped_not_read(monkeypatch):
+def test_bad_ids_are_dropped_not_read():
     """Ids outside [0, E) cannot be refused without a host sync: every path skips them (no OOB read)."""
     gate_up, down = experts(16, 256, 128, torch.bfloat16)  # I = 128: every path takes it, skinny included
-    for path in ("gemv", "gemv_per_choice", "skinny", "mma"):
-        force(monkeypatch, path)
+    for path in ("gemv", "skinny", "mma"):
         x = torch.randn(8, 256, device="cuda").to(torch.bfloat16)
         w, ids = random_choice(8, 2, 16)
         bad = ids.clone()
         bad[:, 1] = 1000
         want = routed_experts(x, w[:, :1].contiguous(), ids[:, :1].contiguous(), gate_up, down)
-        assert close(moe_experts(x, w, bad, gate_up, down), want, torch.bfloat16)
+        assert close(moe_experts(x, w, bad, gate_up, down, tuning=FORCE[path]), want, torch.bfloat16)
 
 
-# ---- the grouped GEMV: work items, variants, the fused decode layer ----------------------------------
-@pytest.fixture
-def grouped_gemv(monkeypatch):
-    """The grouped GEMV and moe_decode: not the engine's default (measured slower), still kept working."""
-    monkeypatch.setattr(moe, "GEMV_KERNEL", "grouped")
-
-
-@pytest.mark.parametrize("t,k,e", [(1, 6, 64), (3, 6, 64), (32, 6, 64), (64, 6, 64), (17, 6, 160), (40, 2, 16)])
-def test_moe_gemv_items_match_reference(t, k, e):
-    _, ids = random_choice(t, k, e, seed=t)
-    ids[: t // 2, 0] = 1  # a busy expert: several items
-    if t > 2:
-        ids[2, -1] = -4  # dropped
-        ids[0, -1] = e
-    srt, items, n_items, max_items = moe.moe_gemv_items(ids, e)
-    want_srt, want_items = moe.gemv_items_reference(ids, e)
-    n = int(n_items)
-    assert n == want_items.shape[0] <= max_items
-    assert torch.equal(srt[: want_srt.numel()], want_srt)
-    assert torch.equal(items[: 3 * n].view(-1, 3), want_items)
-
-
+# ---- the layer ------------------------------------------------------------------------------------
 @pytest.mark.large_reference
-@pytest.mark.usefixtures("grouped_gemv")
-@pytest.mark.parametrize("warps,cols", [(8, 1), (4, 1), (8, 2), (4, 4), (3, 2)])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_grouped_gemv_variants_match_reference(warps, cols, dtype, monkeypatch):
-    monkeypatch.setattr(moe, "GEMV_WARPS", warps)
-    monkeypatch.setattr(moe, "GEMV_COLS_PER_WARP", cols)
-    monkeypatch.setattr(moe, "GEMV_MAX_TOKENS", 10**9)
-    for s in (LITE, SMALL):
-        gate_up, down = experts(s["e"], s["h"], s["i"], dtype)
-        for t in (1, 9, 33):
-            x = torch.randn(t, s["h"], device="cuda").to(dtype)
-            w, ids = random_choice(t, s["k"], s["e"], seed=t)
-            ids[: t // 2, 0] = 0  # an expert with more than GEMV_TB tokens
-            shared = torch.randn(t, s["h"], device="cuda").to(dtype)
-            want = routed_experts(x, w, ids, gate_up, down) + shared
-            assert close(moe_experts(x, w, ids, gate_up, down, shared), want, dtype)
-
-
-def lite_layer(dtype, h=2048, i=1408, **kw):
-    cfg = dataclasses.replace(TINY, n_routed_experts=64, num_experts_per_tok=6, hidden_size=h, moe_intermediate_size=i, **kw)
-    torch.manual_seed(0)
-    with default_dtype(dtype):
-        layer = MoE(cfg).cuda()
-    for p in layer.parameters():
-        p.data.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
-    return layer
-
-
-@pytest.mark.usefixtures("grouped_gemv")
-@pytest.mark.parametrize("size", [pytest.param("lite", marks=pytest.mark.large_reference), "small"])
-@pytest.mark.parametrize("in_router", [True, False])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_moe_decode_matches_unfused_layer(size, in_router, dtype, monkeypatch):
-    """moe_decode (router + items + shared experts inside the GEMV launches) == router, experts, shared MLP
-    computed separately, and == the reference; the routing itself is bit-identical to topk_softmax."""
-    monkeypatch.setattr(moe, "SHARED_IN_ROUTER", in_router)
-    monkeypatch.setattr(moe, "GEMV_MAX_TOKENS", 64)
-    layer = lite_layer(dtype) if size == "lite" else lite_layer(dtype, h=512, i=96, n_shared_experts=3)
-    sh = layer.shared_experts
-    for t in (1, 5, 32, 64):
-        x = torch.randn(t, layer.cfg.hidden_size, device="cuda").to(dtype)
-        logits = torch.nn.functional.linear(x.float(), layer.gate.weight)
-        assert moe._decode_applies(x, layer.cfg, (sh.gate_up_proj.weight, sh.down_proj.weight))
-        got = moe.moe_decode(x, logits, layer.cfg, layer.experts.gate_up_proj, layer.experts.down_proj,
-                             (sh.gate_up_proj.weight, sh.down_proj.weight))
-        w, ids = topk_softmax(logits, layer.cfg)
-        want = routed_experts(x, w, ids, layer.experts.gate_up_proj, layer.experts.down_proj) + sh(x)
-        assert close(got, want, dtype)
-        assert close(layer(x), want, dtype)
-
-
-@pytest.mark.usefixtures("grouped_gemv")
-def test_moe_decode_group_limited_and_no_shared_experts(monkeypatch):
-    cfg = ROUTER_CASES["group_limited"]
-    cfg = dataclasses.replace(cfg, hidden_size=256, moe_intermediate_size=64, n_shared_experts=0)
+def test_few_token_layer_is_deterministic():
+    cfg = dataclasses.replace(TINY, n_routed_experts=64, num_experts_per_tok=6, hidden_size=2048, moe_intermediate_size=1408)
     torch.manual_seed(0)
     with default_dtype(torch.bfloat16):
         layer = MoE(cfg).cuda()
     for p in layer.parameters():
         p.data.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
-    for t in (1, 4):
-        x = torch.randn(t, 256, device="cuda").to(torch.bfloat16)
-        assert moe._decode_applies(x, cfg)
-        got = layer(x)
-        monkeypatch.setenv("DSV2_BACKEND", "torch")
-        want = layer(x)
-        monkeypatch.setenv("DSV2_BACKEND", "cuda")
-        assert close(got, want, torch.bfloat16)
-
-
-@pytest.mark.large_reference
-@pytest.mark.parametrize("kernel", ["per_choice", "grouped"])
-def test_moe_decode_is_deterministic(kernel, monkeypatch):
-    monkeypatch.setattr(moe, "GEMV_KERNEL", kernel)
-    layer = lite_layer(torch.bfloat16)
     x = torch.randn(4, 2048, device="cuda").to(torch.bfloat16)
     first = layer(x)
     for _ in range(3):
         assert torch.equal(layer(x), first)
 
 
-# ---- the layer ------------------------------------------------------------------------------------
 @pytest.mark.large_reference
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_moe_layer_kernels_match_reference(dtype, monkeypatch):
@@ -449,10 +363,8 @@ def test_moe_layer_kernels_match_reference(dtype, monkeypatch):
 
 
 @pytest.mark.cuda_graph
-@pytest.mark.parametrize("kernel", ["per_choice", "grouped"])
-def test_decode_moe_layer_in_a_cuda_graph(kernel, monkeypatch):
-    """The few-token paths (router, either GEMV, combine, shared MLP) have no host sync: capture, replay on new x."""
-    monkeypatch.setattr(moe, "GEMV_KERNEL", kernel)
+def test_decode_moe_layer_in_a_cuda_graph():
+    """Every path of the layer (router, GEMV, combine, shared MLP) has no host sync: capture, replay on new x."""
     cfg = dataclasses.replace(TINY, n_routed_experts=64, num_experts_per_tok=6, hidden_size=2048, moe_intermediate_size=1408)
     with default_dtype(torch.bfloat16):
         layer = MoE(cfg).cuda()
@@ -474,7 +386,7 @@ def test_decode_moe_layer_in_a_cuda_graph(kernel, monkeypatch):
 @pytest.mark.parametrize("graph", [False, pytest.param(True, marks=pytest.mark.cuda_graph)])
 def test_shared_experts_on_a_side_stream_give_the_same_bits(graph, monkeypatch):
     """Beyond the GEMV path (whose launches run the shared experts as choices) and up to
-    SHARED_STREAM_MAX_TOKENS tokens the shared MLP runs on a side stream: same bits as on one stream,
+    tuning.shared_stream_max_tokens tokens the shared MLP runs on a side stream: same bits as on one stream,
     and the combine waits for it. The side stream is held up ~5 ms before the shared MLP, so a
     combine that did not wait would add a buffer not yet written."""
     cfg = dataclasses.replace(TINY, n_routed_experts=16, num_experts_per_tok=2, hidden_size=256, moe_intermediate_size=96)
@@ -490,11 +402,11 @@ def test_shared_experts_on_a_side_stream_give_the_same_bits(graph, monkeypatch):
         torch.cuda._sleep(10**7)
         return real(x)
 
-    for t in (moe.GEMV_MAX_TOKENS + 1, 16):
+    for t in (DEFAULT.gemv_max_tokens + 1, 16):
         x = torch.randn(t, 256, device="cuda").to(torch.bfloat16)
-        monkeypatch.setattr(moe, "SHARED_STREAM_MAX_TOKENS", 0)
+        layer.tuning = MoETuning(shared_stream_max_tokens=0)
         want = layer(x)
-        monkeypatch.setattr(moe, "SHARED_STREAM_MAX_TOKENS", 16)
+        layer.tuning = MoETuning(shared_stream_max_tokens=16)
         monkeypatch.setattr(layer.shared_experts, "forward", slow_shared)
         got = layer(x)
         if graph:
@@ -513,8 +425,8 @@ def test_auto_backend_uses_the_kernels(monkeypatch):
     monkeypatch.setenv("DSV2_BACKEND", "auto")
     assert kernels.use_kernels(torch.empty(1, device="cuda"))
     calls = []
-    real = moe.gemv_down_combine  # 2 tokens: the GEMV path, whose down launch also combines
-    monkeypatch.setattr(moe, "gemv_down_combine", lambda *a: calls.append(1) or real(*a))
+    real = experts_op.gemv_down_combine  # 2 tokens: the GEMV path, whose down launch also combines
+    monkeypatch.setattr(experts_op, "gemv_down_combine", lambda *a: calls.append(1) or real(*a))
     gate_up, down = experts(16, 256, 96, torch.bfloat16)
     x = torch.randn(2, 256, device="cuda").to(torch.bfloat16)
     w, ids = random_choice(2, 2, 16)

@@ -32,8 +32,7 @@ from dsv2_lib.core.config import TINY
 from dsv2_lib.engine import sampling
 from dsv2_lib.engine.sampling import SamplingParams
 from dsv2_lib.lessons import gemm
-from dsv2_lib.model import moe
-from dsv2_lib.ops import activation, embedding, mla_absorb, norm, rope
+from dsv2_lib.ops import activation, embedding, mla_absorb, moe_routing, norm, rope
 
 __all__ = ["EXERCISES", "check", "grade", "swapped", "generate_with", "merge_splits_reference",
            "attention_reference", "reserve_admits_reference", "slot_mapping_reference"]
@@ -457,8 +456,8 @@ EXERCISES: dict[str, _Exercise] = {e.name: e for e in [
     _Exercise("slot_mapping", "12", slot_mapping_reference, _slot_cases, exact=True),
     _Exercise("rope", "04", rope.apply_rope_reference_, _rope_cases, in_place=(0, 1),
              engine="dsv2_lib.ops.rope:apply_rope_reference_"),
-    _Exercise("route", "08", moe.route, _route_cases, engine="dsv2_lib.model.moe:route"),
-    _Exercise("moe_align", "08", moe.moe_align_reference, _moe_align_cases, exact=True),
+    _Exercise("route", "08", moe_routing.route, _route_cases, engine="dsv2_lib.ops.moe_routing:route"),
+    _Exercise("moe_align", "08", moe_routing.moe_align_reference, _moe_align_cases, exact=True),
     _Exercise("filter_logits", "09", sampling.filter_logits, _filter_cases),
     _Exercise("merge_splits", "13", merge_splits_reference, _merge_cases),
 ]}
