@@ -220,7 +220,7 @@ def test_full_size_greedy_tokens_same_with_graphs_and_eager_padded_steps(checkpo
     llm = LLM(checkpoint, device="cuda", dtype="bfloat16", kv_cache_mib=256)
     tokens = {}
     for capture in (True, False):
-        llm._runner = DecodeGraphRunner(llm.model, llm.cache, capture=capture)
+        llm.runner._graphs = DecodeGraphRunner(llm.model, llm.runner.cache, capture=capture)
         llm.reset_prefix_cache()  # both runs compute their prompts: a prefix hit would change the prefill's shapes
         tokens[capture] = [o.token_ids for o in llm.generate(prompts, params)]
     del llm

@@ -46,9 +46,9 @@ def test_engine_tokens_are_the_same_with_graphs_and_with_the_eager_padded_step()
     runs = {}
     for capture in (True, False):
         llm = LLM("tiny", device="cuda", dtype="bfloat16", kv_cache_mib=8)
-        llm._runner = DecodeGraphRunner(llm.model, llm.cache, capture=capture)  # the runner the LLM keeps
+        llm.runner._graphs = DecodeGraphRunner(llm.model, llm.runner.cache, capture=capture)  # the one the runner keeps
         runs[capture] = [o.token_ids for o in llm.generate(PROMPTS, params)]
-        assert llm._runner.capture is capture and len(llm._runner._steps) >= 1
+        assert llm.runner._graphs.capture is capture and len(llm.runner._graphs._steps) >= 1
     assert runs[True] == runs[False]
 
 
@@ -95,14 +95,17 @@ def test_side_streams_give_the_same_bits_and_are_waited_for(monkeypatch):
     side work is held up ~5 ms per layer, so a join that did not wait would read unwritten buffers."""
     from dsv2_lib.core import streams
     from dsv2_lib.model import mla, moe
+    from dsv2_lib.ops.moe_experts import MoETuning
 
     llm = LLM("tiny", device="cuda", dtype="bfloat16")
     cache = PagedLatentCache(llm.config, num_blocks=256, block_size=16, dtype=torch.bfloat16, device="cuda", max_len=160)
     cache.rows.normal_(0, 0.5)
     step = random_step(5, cache, torch.Generator().manual_seed(2))
     before = cache.rows.clone()
+    layers = [m for m in llm.model.modules() if isinstance(m, moe.MoE) and m.shared_experts is not None]
     monkeypatch.setattr(mla, "Q_STREAM_MAX_TOKENS", 0)
-    monkeypatch.setattr(moe, "SHARED_STREAM_MAX_TOKENS", 0)
+    for m in layers:
+        m.tuning = MoETuning(shared_stream_max_tokens=0)
     want, want_rows = DecodeGraphRunner(llm.model, cache)(*step).clone(), cache.rows.clone()
 
     on_side = []
@@ -115,10 +118,9 @@ def test_side_streams_give_the_same_bits_and_are_waited_for(monkeypatch):
         return run
 
     monkeypatch.setattr(mla, "Q_STREAM_MAX_TOKENS", 16)
-    monkeypatch.setattr(moe, "SHARED_STREAM_MAX_TOKENS", 16)
     monkeypatch.setattr(mla.MLA, "project_q", delayed(mla.MLA.project_q))
-    layers = [m for m in llm.model.modules() if isinstance(m, moe.MoE) and m.shared_experts is not None]
     for m in layers:
+        m.tuning = MoETuning(shared_stream_max_tokens=16)
         monkeypatch.setattr(m.shared_experts, "forward", delayed(m.shared_experts.forward))
     cache.rows.copy_(before)
     got = DecodeGraphRunner(llm.model, cache)(*step)

@@ -15,6 +15,8 @@ from dsv2_lib.core.checkpoint import CheckpointError
 from dsv2_lib.core.config import TINY, ConfigError
 from dsv2_lib.engine.llm import EMBEDDED_MODELS
 from dsv2_lib.model.cache import block_bytes
+from dsv2_lib.model.moe import MoE
+from dsv2_lib.ops.moe_experts import MoETuning
 from dsv2_lib.tools.random_checkpoint import write_random_checkpoint
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
@@ -135,7 +137,7 @@ def test_no_tokenizer_means_no_text(small):
 
 def test_bfloat16_model_runs():
     llm = LLM("tiny", device="cpu", dtype=torch.bfloat16)
-    assert llm.dtype == torch.bfloat16
+    assert llm.engine_config.dtype == torch.bfloat16
     logits = llm.logits([5, 17, 42])
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     assert len(llm.generate([5, 17, 42], GREEDY)[0].token_ids) == 8
@@ -222,7 +224,7 @@ def test_max_model_len_caps_generation():
 
 
 def test_default_context_is_max_position_embeddings(small):
-    assert small.max_model_len == SMALL.max_position_embeddings
+    assert small.engine_config.max_model_len == SMALL.max_position_embeddings
     out = small.generate([1] * 60, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
 
@@ -231,10 +233,11 @@ def test_default_context_is_max_position_embeddings(small):
 
 
 def test_prompt_longer_than_the_context(tiny):
-    too_long = [7] * (tiny.max_model_len + 5)
-    with pytest.raises(ValueError, match=rf"prompt 1 has {len(too_long)} tokens; the context holds {tiny.max_model_len}"):
+    context = tiny.engine_config.max_model_len
+    too_long = [7] * (context + 5)
+    with pytest.raises(ValueError, match=rf"prompt 1 has {len(too_long)} tokens; the context holds {context}"):
         tiny.generate([[1, 2], too_long], GREEDY)
-    with pytest.raises(ValueError, match=rf"prompt 0 has {len(too_long)} tokens; the context holds {tiny.max_model_len}"):
+    with pytest.raises(ValueError, match=rf"prompt 0 has {len(too_long)} tokens; the context holds {context}"):
         tiny.logits(too_long)
 
 
@@ -314,7 +317,7 @@ def test_unsupported_dtype(small_dir, dtype):
 def test_supported_dtypes(small_dir, dtype):
     llm = LLM(small_dir, device="cpu", dtype=dtype)
     want = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    assert llm.dtype == want and llm.model.model.embed_tokens.weight.dtype == want
+    assert llm.engine_config.dtype == want and llm.model.model.embed_tokens.weight.dtype == want
     assert llm.model.model.layers[1].mlp.gate.weight.dtype == torch.float32
 
 
@@ -432,17 +435,12 @@ def test_async_scheduling_gives_the_same_outputs(tiny, scheduling, budget):
     assert runs[True][1].scheduler.prefix_hit_tokens > 0  # request 3 shares request 1's first blocks
 
 
-def test_async_scheduling_stream_order_and_text(tiny):
+def test_async_scheduling_stream_order_and_text():
     """``stream`` yields the same (request, token, text piece) events in the same order either way."""
     prompts = ["To be, or not", "Hello", [5, 17, 42]]
     params = SamplingParams(max_tokens=6, temperature=0.0)
-    events = {}
-    try:
-        for ahead in (False, True):
-            tiny.async_scheduling = ahead
-            events[ahead] = list(tiny.stream(prompts, params))
-    finally:
-        tiny.async_scheduling = True
+    events = {ahead: list(LLM("tiny", device="cpu", dtype="float32", async_scheduling=ahead).stream(prompts, params))
+              for ahead in (False, True)}
     assert events[True] == events[False] and len(events[True]) == 18
 
 
@@ -504,3 +502,42 @@ def test_engine_batches_are_host_checked(tiny, monkeypatch):
     out = tiny.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))[0]
     assert [s[0] for s in seen] == [True] * 3
     assert seen[0][1:] == (prompt, [0, 1, 2]) and seen[1][1:] == ([out.token_ids[0]], [3])
+
+
+@pytest.mark.parametrize("kw, want", [
+    (dict(block_size=True), "block_size must be an int >= 1, got True"),
+    (dict(max_model_len=True), "max_model_len must be an int >= 2"),
+    (dict(prefix_caching="no"), "prefix_caching must be True or False, got 'no'"),
+    (dict(cuda_graphs=1), "cuda_graphs must be True or False, got 1"),
+    (dict(async_scheduling=None), "async_scheduling must be True or False, got None"),
+    (dict(kv_cache_mib=float("nan")), "kv_cache_mib must be a finite number of MiB > 0"),
+    (dict(kv_cache_mib=float("inf")), "kv_cache_mib must be a finite number of MiB > 0"),
+    (dict(kv_cache_mib="8"), "kv_cache_mib must be a finite number of MiB > 0"),
+    (dict(kv_cache_mib=0), "kv_cache_mib must be a finite number of MiB > 0"),
+    (dict(device="tpu"), "device must be"),
+    (dict(device=3), "device must be 'cpu', 'cuda', 'cuda:N' or None, got 3"),
+    (dict(moe_tuning={"gemv_max_tokens": 4}), "moe_tuning must be a MoETuning, got dict"),
+])
+def test_serving_arguments_of_the_wrong_kind_are_refused_by_name(kw, want):
+    """A bool is not a size and a string is not a bool: each refused before any weight loads."""
+    with pytest.raises(ValueError, match=re.escape(want)):
+        LLM("tiny", **kw)
+
+
+def test_a_gpu_device_without_a_gpu_is_refused_up_front():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="PyTorch sees no CUDA GPU"):
+        LLM("tiny", device="cuda")
+
+
+def test_a_context_longer_than_the_trained_one_warns():
+    with pytest.warns(UserWarning, match="longer than the model's trained context"):
+        LLM("tiny", device="cpu", max_model_len=TINY.max_position_embeddings * 2)
+
+
+def test_moe_tuning_reaches_every_moe_layer():
+    tuning = MoETuning(gemv_max_tokens=1)
+    llm = LLM("tiny", device="cpu", moe_tuning=tuning)
+    layers = [m for m in llm.model.modules() if isinstance(m, MoE)]
+    assert layers and all(m.tuning is tuning for m in layers) and llm.engine_config.moe_tuning is tuning

@@ -104,7 +104,7 @@ class DecodeBuffers:
     def take_earlier(tokens: torch.Tensor, rows: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
         """``tokens [n]`` with entry ``b`` replaced by ``picks[rows[b]]`` where ``rows[b] >= 0``: tokens an
         earlier step sampled, gathered on the GPU without the host reading them (asynchronous scheduling;
-        the eager step of :mod:`~dsv2_lib.engine.llm` uses it too)."""
+        the eager step of :mod:`~dsv2_lib.engine.model_runner` uses it too)."""
         return torch.where(rows >= 0, picks[rows.clamp(min=0)], tokens)
 
 

@@ -172,7 +172,8 @@ def run(cfg: BenchConfig) -> dict:
     peak_reset()
     llm = LLM(path, device=cfg.device, dtype=cfg.dtype, cuda_graphs=cfg.cuda_graphs,
               async_scheduling=cfg.async_scheduling, gpu_memory_utilization=cfg.gpu_memory_utilization if device.type == "cuda" else None)
-    results += measure("ours", lambda ids, n: _ours(llm, ids, n), cfg, model_cfg, device, llm.max_num_batched_tokens)
+    results += measure("ours", lambda ids, n: _ours(llm, ids, n), cfg, model_cfg, device,
+                       llm.engine_config.max_num_batched_tokens)
     memory["ours"] = peak()
     del llm
     if cfg.transformers:
