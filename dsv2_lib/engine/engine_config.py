@@ -50,8 +50,6 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or None, got {self.device!r}") from None
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r}: PyTorch sees no CUDA GPU here (a CPU build of torch, or no driver)")
         dtype = self.dtype if self.dtype is not None else torch.bfloat16 if device.type == "cuda" else torch.float32
         dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -78,6 +76,8 @@ class EngineConfig:
         Scheduler.check_budget(self.max_num_batched_tokens)
         if self.gpu_memory_utilization is not None:
             self._check_memory_utilization()
+        if device.type == "cuda" and not torch.cuda.is_available():  # last: the other arguments' errors first
+            raise ValueError(f"device {self.device!r}: PyTorch sees no CUDA GPU here (a CPU build of torch, or no driver)")
 
     def _check_memory_utilization(self) -> None:
         """Refuse a ``gpu_memory_utilization`` that is not a fraction in (0, 1], or that comes with
