@@ -56,7 +56,8 @@ def _rms_norm_cases() -> list[_Case]:
     g = torch.Generator().manual_seed(3)
     shapes = [(1, 1), (3, 33), (5, 1000), (4, 2048), (2, 300)]
     return [_Case(f"x [{r}, {c}] float32, eps 1e-6", (torch.randn(r, c, generator=g) * 3, torch.randn(c, generator=g), 1e-6))
-            for r, c in shapes]
+            for r, c in shapes] + [_Case("x [2, 64] float32 of zeros: only eps keeps the scale finite",
+                                         (torch.zeros(2, 64), torch.randn(64, generator=g), 1e-6))]
 
 
 def _launch_rms_norm(fn, x, weight, eps):
@@ -99,6 +100,8 @@ def compile_kernel(source: str, kernel: str, device: torch.device | None = None)
     """The kernel ``kernel`` of ``source`` compiled by NVRTC for the GPU at hand (CuPy's RawModule)."""
     import cupy
 
+    if not re.search(rf"\b{kernel}\s*\(", source):  # asking the driver for a missing name is an API error
+        raise KernelCompileError(f'no kernel named {kernel!r} in the source; declare it extern "C" __global__ void {kernel}(...)')
     device = device or torch.device("cuda", torch.cuda.current_device())
     major, minor = torch.cuda.get_device_capability(device)
     with cupy.cuda.Device(device.index):
