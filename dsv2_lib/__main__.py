@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--in-step", dest="async_scheduling", action="store_false",
                      help="read each step's tokens back before planning the next (no host/GPU overlap)")
     gen.add_argument("--stats", action="store_true", help="print the scheduler and cache statistics to stderr")
+    gen.add_argument("--stream", action="store_true", help="print the text as it is generated (one prompt)")
     add_bench_parser(sub)
     from dsv2_lib.tools.diff import add_diff_parser
 
@@ -99,12 +100,18 @@ def main(argv: list[str] | None = None) -> int:
     if error := device_error(args.device):
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if args.stream and len(args.prompts) != 1:
+        print(f"error: --stream prints one prompt's text as it is generated; got {len(args.prompts)} prompts",
+              file=sys.stderr)
+        return 2
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed)
         llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_mib=args.kv_cache_mib,
                   scheduling=args.scheduling or "continuous", max_num_batched_tokens=args.max_num_batched_tokens,
                   cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling)
+        if args.stream:
+            return stream_one(llm, args.prompts[0], params, args.stats)
         outputs = llm.generate(list(args.prompts), params)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -113,6 +120,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prompt}{out.text}")
         print(f"  [{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
     if args.stats:
+        print(llm.last_stats.summary(), file=sys.stderr)
+    return 0
+
+
+def stream_one(llm, prompt: str, params, stats: bool) -> int:
+    """Print ``prompt``, then each piece of its continuation the moment the engine produces it."""
+    print(prompt, end="", flush=True)
+    tokens = 0
+    for _, _, piece in llm.stream(prompt, params):
+        tokens += 1
+        print(piece or "", end="", flush=True)
+    print()
+    print(f"  [{tokens} tokens]", file=sys.stderr)
+    if stats:
         print(llm.last_stats.summary(), file=sys.stderr)
     return 0
 

@@ -98,3 +98,12 @@ def test_a_gpu_device_without_a_gpu_is_one_line():
         pytest.skip("this machine has a GPU")
     r = run("generate", "--device", "cuda", "hi")
     assert r.returncode == 2 and "PyTorch sees no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_stream_prints_the_same_text_as_generate():
+    want = LLM("tiny", device="cpu").generate("To be, or not", SamplingParams(max_tokens=12, temperature=0.0))[0]
+    r = run("generate", "--device", "cpu", "--max-tokens", "12", "--temperature", "0", "--stream", "To be, or not")
+    assert r.returncode == 0 and r.stdout == "To be, or not" + want.text + "\n", (r.stdout, r.stderr)
+    assert f"[{len(want.token_ids)} tokens]" in r.stderr
+    r = run("generate", "--device", "cpu", "--stream", "one", "two")
+    assert r.returncode == 2 and "--stream prints one prompt's text" in r.stderr
