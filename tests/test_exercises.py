@@ -1,40 +1,18 @@
 """The "Build it" exercises cannot rot: each chapter's hidden solution passes its autograder, a planted
 wrong answer fails with a message that names the case and what differs, and a swapped-in piece really
 runs inside the engine."""
-import ast
-import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
+from notebook_solutions import solutions
 
 from dsv2_lib.engine import sampling
 from dsv2_lib.lessons.exercises import EXERCISES, check, generate_with, grade, merge_splits_reference, swapped
 from dsv2_lib.ops import moe_routing, norm, rope
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
-
-def solutions() -> dict[str, tuple[str, object]]:
-    """exercise name -> (chapter file, the function its solution cell defines): the cells tagged
-    ``solution`` are run in a fresh namespace (with torch), and ``check("name", fn)`` in them names both."""
-    found = {}
-    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
-        for cell in json.loads(path.read_text())["cells"]:
-            if cell["cell_type"] != "code" or "solution" not in cell["metadata"].get("tags", []):
-                continue
-            source = "".join(cell["source"])
-            for call in [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)]:
-                if getattr(call.func, "id", "") == "check":
-                    name, fn_name = ast.literal_eval(call.args[0]), call.args[1].id
-                    namespace = {"torch": torch, "check": lambda *a, **k: True}
-                    exec(compile(source, f"{path.name} solution", "exec"), namespace)
-                    found[name] = (path.name, namespace[fn_name])
-    return found
-
-
-SOLUTIONS = solutions()
+SOLUTIONS = solutions("check")
 
 
 def test_every_exercise_has_a_solution_in_its_chapter():

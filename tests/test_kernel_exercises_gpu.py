@@ -1,37 +1,17 @@
 """The kernel exercises cannot rot: each chapter's hidden CUDA solution compiles (on any machine with
 nvcc) and, on a GPU, matches the reference on every case, while planted wrong kernels fail with a
 line that names the case and what differs."""
-import ast
-import json
 import shutil
-from pathlib import Path
 
 import pytest
+from notebook_solutions import solutions
 
 from dsv2_lib.lessons.kernel_exercises import KERNEL_EXERCISES, grade_kernel
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 gpu = pytest.mark.gpu
 
 
-def kernel_solutions() -> dict[str, tuple[str, str]]:
-    """exercise name -> (chapter file, CUDA source) from the cells tagged ``solution`` that call
-    ``check_kernel("name", variable)``."""
-    found = {}
-    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
-        for cell in json.loads(path.read_text())["cells"]:
-            if cell["cell_type"] != "code" or "solution" not in cell["metadata"].get("tags", []):
-                continue
-            source = "".join(cell["source"])
-            for call in [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)]:
-                if getattr(call.func, "id", "") == "check_kernel":
-                    namespace = {"check_kernel": lambda *a: None}
-                    exec(compile(source, f"{path.name} solution", "exec"), namespace)
-                    found[ast.literal_eval(call.args[0])] = (path.name, namespace[call.args[1].id])
-    return found
-
-
-SOLUTIONS = kernel_solutions()
+SOLUTIONS = solutions("check_kernel")
 
 
 def wrong(name: str, old: str, new: str) -> str:
