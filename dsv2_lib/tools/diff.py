@@ -20,13 +20,8 @@ from pathlib import Path
 
 import torch
 
-from dsv2_lib.core.checkpoint import load_checkpoint
-from dsv2_lib.core.config import load_config
-from dsv2_lib.core.dtypes import default_dtype
-from dsv2_lib.core.tokenizer import Tokenizer
+from dsv2_lib.engine.llm import LLM
 from dsv2_lib.model import mla as our_mla
-from dsv2_lib.model.cache import LatentCache, SequenceBatch
-from dsv2_lib.model.deepseek_v2 import DeepseekV2
 
 # |ours - theirs| <= TOLERANCE * max|theirs|: float32 engines differ by ~1e-6 relative (summation
 # order); 16-bit ones round every stored activation, ~2^-8 relative for bf16, and errors compound.
@@ -122,17 +117,13 @@ def _rope_recorder(rec: Recorder, ours: bool):
     return record
 
 
-def run_ours(directory: Path, ids: list[int], dtype: torch.dtype, device: str) -> Recorder:
-    cfg = load_config(directory)
-    with torch.device(device), default_dtype(dtype):
-        model = DeepseekV2(cfg)
-    load_checkpoint(model, directory, progress=False)
+def run_ours(llm: LLM, ids: list[int]) -> Recorder:
+    """Our engine's steps on ``ids``: :meth:`LLM.logits`, with every step recorded on the way."""
+    cfg = llm.config
     rec = Recorder()
-    cache = LatentCache(cfg, 1, len(ids), dtype, device)
-    with _hooks(model, _module_steps(cfg.num_hidden_layers, cfg.q_lora_rank is not None), rec), \
+    with _hooks(llm.model, _module_steps(cfg.num_hidden_layers, cfg.q_lora_rank is not None), rec), \
             _wrapped(our_mla, "apply_rope_", _rope_recorder(rec, ours=True)):
-        hidden = model(torch.tensor(ids, device=device), SequenceBatch((0,), (0,), (len(ids),)), cache)
-        rec.put("logits", model.compute_logits(hidden))
+        rec.put("logits", llm.logits(ids))
     return rec
 
 
@@ -184,13 +175,14 @@ def first_divergence(steps: list[Step]) -> Step | None:
 def diff(directory: str | Path, prompt: str | list[int], dtype: torch.dtype = torch.float32,
          device: str = "cpu") -> list[Step]:
     """Run both engines on ``prompt`` (text, or token ids) and compare every step."""
-    directory = Path(directory)
-    ids = prompt if isinstance(prompt, list) else Tokenizer.from_dir(directory).encode(prompt)
+    llm = LLM(directory, device=device, dtype=dtype)
+    if isinstance(prompt, str) and llm.tokenizer is None:
+        raise ValueError(f"diff: {directory} has no tokenizer.json; pass the prompt as token ids")
+    ids = prompt if isinstance(prompt, list) else llm.tokenizer.encode(prompt)
     if not ids:
         raise ValueError("diff: the prompt has no tokens")
-    layers = load_config(directory).num_hidden_layers
-    return compare(run_ours(directory, ids, dtype, device), run_transformers(directory, ids, dtype, device),
-                   dtype, layers)
+    return compare(run_ours(llm, ids), run_transformers(Path(directory), ids, dtype, device), dtype,
+                   llm.config.num_hidden_layers)
 
 
 def add_diff_parser(sub, formatter_class) -> None:
