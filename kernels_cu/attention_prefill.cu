@@ -23,7 +23,9 @@
 // fully masked for the row gives max = -inf, m_new = m, corr = 1, p = 0.
 // Padded rows (beyond the sequence's queries) load q = 0 and are never stored.
 // ================================================================================================
-constexpr int TQ = 16, TK = 32, TILED_THREADS = 128;
+// TQ and the block are set in dsv2_lib/ops/attention.py (TILED_BQ, TILED_THREADS).
+constexpr int TQ = DSV2_ATTN_TILED_BQ, TK = 32, TILED_THREADS = DSV2_ATTN_TILED_THREADS;
+static_assert(TILED_THREADS == 8 * TQ && TK == 4 * 8, "8 threads per query row, 4 scores each");
 constexpr int QK_PAD = D_QK + 1;  // 193 floats per row: rows start in different banks
 
 template <typename T>

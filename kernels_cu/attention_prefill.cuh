@@ -21,7 +21,10 @@
 #pragma once
 #include "tensor_core.cuh"
 
-constexpr int D_NOPE = 128, D_ROPE = 64, D_QK = D_NOPE + D_ROPE, D_V = 128;  // keep in sync with attention.py
+// The head sizes (set in dsv2_lib/ops/attention.py, like BK and ROW_PAD below); the tensor-core kernel copies
+// k_nope, k_pe and v rows as 16, 8 and 16 chunks of 8 values.
+constexpr int D_NOPE = DSV2_ATTN_D_NOPE, D_ROPE = DSV2_ATTN_D_ROPE, D_QK = D_NOPE + D_ROPE, D_V = DSV2_ATTN_D_V;
+static_assert(D_NOPE == 128 && D_ROPE == 64 && D_V == 128, "the head sizes the kernels are written for");
 
 // Element d (< 192) of the key of token `row`, head `hd`: k_nope for d < 128, the shared k_pe after.
 template <typename T>
@@ -93,14 +96,15 @@ __device__ __forceinline__ float key_at(const T* k_nope, const T* k_pe, long lon
 // Keys beyond the sequence are zero-filled in shared memory (never read from global memory);
 // rows beyond the sequence's queries load q = 0 and are never stored.
 // Shared memory is dynamic: [sQ: BQ x 200 if QS][sK: ST x 64 x 200][sV: ST x 64 x 136] elements
-// (MmaVariant.shared_bytes in attention.py computes the same size; the launcher raises the 48 KB
+// (MmaVariant.shared_bytes in attention.py computes it from the same constants; the launcher raises the 48 KB
 // opt-in limit where needed).
 //
 // Softmax arithmetic: the row maximum is taken over the raw scores s, and p = 2^(s * scale_log2 - m)
 // with m = max * scale_log2 is one FFMA + one exp2 per score.
 // ================================================================================================
-constexpr int BK = 64;
-constexpr int K_STRIDE = D_QK + 8, V_STRIDE = D_V + 8;  // padded shared rows, in elements
+constexpr int BK = DSV2_ATTN_BK;      // keys per tile
+constexpr int ROW_PAD = DSV2_ATTN_ROW_PAD;  // elements of padding per shared row (16 bytes of 16-bit values)
+constexpr int K_STRIDE = D_QK + ROW_PAD, V_STRIDE = D_V + ROW_PAD;  // padded shared rows, in elements
 
 // Rows k0 .. k0 + BK - 1 of a key slab (`src` at row k0, `stride` elements per row, CHUNKS 16-byte
 // chunks per row) into a shared tile of DST_STRIDE elements per row; rows at or past n_keys are

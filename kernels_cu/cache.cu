@@ -16,7 +16,7 @@
 #include "common.cuh"
 
 namespace cache_write {
-constexpr int WARPS = 4;  // tokens per block
+constexpr int WARPS = DSV2_CACHE_WRITE_WARPS;  // tokens per block (set in dsv2_lib/ops/cache_write.py)
 }
 
 template <typename T, bool VEC>

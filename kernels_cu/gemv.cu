@@ -16,7 +16,7 @@
 #include "common.cuh"
 
 namespace gemv {
-constexpr int WARPS = 4;  // warps per block, two output columns each (keep in sync with gemv.py)
+constexpr int WARPS = DSV2_GEMV_WARPS;  // warps per block, two output columns each (set in dsv2_lib/ops/gemv.py)
 constexpr int VECS = 4;   // 16-byte vectors per lane and row in flight: K = 2048 in two trips
 }  // namespace gemv
 

@@ -3,7 +3,7 @@
 //   query[t, h] = [ round(q_nope[t, h] W_k[h]) | q_pe[t, h] ]      W_k[h] [NOPE, C]   (C = kv_lora_rank)
 //   out[t, h]   = round( round(o[t, h]) W_v[h]^T )                 W_v[h] [V, C],  o fp32 [T, h, C]
 //
-// the two einsums around the decode attention kernel (dsv2_lib/mla_absorb.py). At batch 1 each is
+// the two einsums around the decode attention kernel (dsv2_lib/ops/mla_absorb.py). At batch 1 each is
 // 16 heads x a 128 x 512 matrix (2 MB): cuBLAS runs them as batched GEMMs of one row, which take
 // about 4.4 us of GPU time on the H200 for what the bandwidth would move in 0.5 us; the query also
 // needs a torch.cat and the output a dtype copy first. Here every thread issues all its loads at
@@ -12,10 +12,12 @@
 // results may differ from the einsums by one rounding of T (the tests bound both against exact sums).
 #include "common.cuh"
 
-constexpr int QUERY_COLS = 128;         // q_lat columns per block of mla_absorb_query: 16 groups of 8
-constexpr int QUERY_SPLITS = 16;        // row splits of a block: thread (g, s) = (tid % 16, tid / 16)
+// QUERY_COLS, the query kernel's block and OUT_WARPS are set in dsv2_lib/ops/mla_absorb.py.
+constexpr int QUERY_COLS = DSV2_ABSORB_QUERY_COLS;  // q_lat columns per block of mla_absorb_query: 16 groups of 8
+constexpr int QUERY_SPLITS = DSV2_ABSORB_QUERY_THREADS / 16;  // row splits: thread (g, s) = (tid % 16, tid / 16)
+static_assert(QUERY_SPLITS * 16 == DSV2_ABSORB_QUERY_THREADS && QUERY_SPLITS * 16 >= QUERY_COLS, "block shape");
 constexpr int QUERY_ROWS_AT_ONCE = 8;   // W_k rows a thread loads before using them
-constexpr int OUT_WARPS = 4;            // warps per block of mla_absorb_output, two W_v rows each
+constexpr int OUT_WARPS = DSV2_ABSORB_OUT_WARPS;  // warps per block of mla_absorb_output, two W_v rows each
 constexpr int OUT_VECS = 4;             // 16-byte vectors per lane and row loaded at once
 
 // Block (h, chunk, t), 256 threads: q_lat[t, h, chunk * 128 + 8g .. + 7]. Thread (g, s) sums the rows

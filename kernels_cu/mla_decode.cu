@@ -4,6 +4,9 @@
 // the partial results with its merge_partials (shapes, layouts and bounds: mla_decode.cuh).
 #include "mla_decode.cuh"
 
+constexpr int SCHEDULE_THREADS = DSV2_MLA_SCHEDULE_THREADS;  // mla_decode_schedule's block (set in mla_decode.py)
+static_assert(SCHEDULE_THREADS == 32 * 32, "mla_decode_schedule: warp 0 scans the 32 warps' totals");
+
 // ---- the balanced schedule (chapter 13) ---------------------------------------------------------
 // Uniform splits cut every entry into the same number of chunks, sized for the longest: with mixed
 // lengths most blocks of short entries have nothing to do, and a CUDA graph captured for a bound on
@@ -16,22 +19,20 @@
 // segment that is a whole entry writes `out` directly. The schedule is computed on the GPU from the
 // lengths, so a decode step needs no host sync and a graph replays it with new lengths.
 //
-// mla_decode_schedule: one block of 1024 threads; sched[0] = per (tiles per worker), sched[1 + b] =
-// first tile of entry b (a prefix sum of its ceil(len / 32) tiles), sched[1 + B] = total tiles. An
-// entry's length is clamped to max_length; <= 0 or (contiguous) a slot outside [0, num_slots) is 0.
-__global__ void __launch_bounds__(1024) mla_decode_schedule(
-    int* __restrict__ sched, const int* __restrict__ lengths, const int* __restrict__ slots,  // slots: nullptr when paged
-    int B, int num_slots, int max_length, int workers, int min_tiles) {
+// mla_decode_schedule: one block of SCHEDULE_THREADS = 1024 threads; sched[0] = per (tiles per worker),
+// sched[1 + b] = first tile of entry b (a prefix sum of its ceil(len / 32) tiles), sched[1 + B] = total
+// tiles. An entry's length is clamped to max_length; <= 0 gives no tiles.
+__global__ void __launch_bounds__(SCHEDULE_THREADS) mla_decode_schedule(
+    int* __restrict__ sched, const int* __restrict__ lengths, int B, int max_length, int workers, int min_tiles) {
     __shared__ int warp_sums[32];
     __shared__ int carry;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) carry = 0;
-    for (int base = 0; base < B; base += 1024) {
+    for (int base = 0; base < B; base += SCHEDULE_THREADS) {
         const int b = base + threadIdx.x;
         int tiles = 0;
         if (b < B) {
-            int len = min(lengths[b], max_length);
-            if (slots != nullptr && (slots[b] < 0 || slots[b] >= num_slots)) len = 0;
+            const int len = min(lengths[b], max_length);
             tiles = len > 0 ? (len + mla::TILE - 1) / mla::TILE : 0;
         }
         int x = tiles;  // inclusive scan: within the warp, then over the warps' totals
@@ -55,7 +56,7 @@ __global__ void __launch_bounds__(1024) mla_decode_schedule(
         const int inclusive = carry + (warp > 0 ? warp_sums[warp - 1] : 0) + x;
         if (b < B) sched[1 + b] = inclusive - tiles;
         __syncthreads();  // everyone has read carry and warp_sums
-        if (threadIdx.x == 1023) carry = inclusive;
+        if (threadIdx.x == SCHEDULE_THREADS - 1) carry = inclusive;
         __syncthreads();
     }
     if (threadIdx.x == 0) {
@@ -64,18 +65,17 @@ __global__ void __launch_bounds__(1024) mla_decode_schedule(
     }
 }
 
-// mla_decode_balanced: grid (workers, 1, head groups). Worker i walks its segments in order.
-template <typename T, int DL, int DR, int STAGES, bool PAGED>
+// mla_decode_balanced: grid (workers, 1, head groups). Worker i walks its segments in order over the
+// paged cache [num_rows, D] (block_table [B, table_width]).
+template <typename T, int DL, int DR, int STAGES>
 __global__ void __launch_bounds__(mla::THREADS) mla_decode_balanced(
     float* __restrict__ o_part,       // [B + workers - 1, H, DL]: a partial segment's result, slot i + b
     float* __restrict__ lse_part,     // [B + workers - 1, H]
     float* __restrict__ out,          // [B, H, DL]: a whole-entry segment's result
-    const T* __restrict__ q, const T* __restrict__ cache, const int* __restrict__ slots,
-    const int* __restrict__ lengths, const int* __restrict__ sched, int B, int H, int num_slots, int max_len,
-    int max_length, float scale_log2, const int* __restrict__ block_table, int table_width, int block_size,
-    long long num_rows) {
+    const T* __restrict__ q, const T* __restrict__ cache, const int* __restrict__ lengths,
+    const int* __restrict__ sched, int B, int H, int max_length, float scale_log2,
+    const int* __restrict__ block_table, int table_width, int block_size, long long num_rows) {
     using namespace mla;
-    constexpr int D = DL + DR;
     const int worker = blockIdx.x, h0 = blockIdx.z * HEADS;
     const int per = sched[0];
     const int* first = sched + 1;  // first[b]: entry b's first global tile; first[B]: the total
@@ -91,13 +91,12 @@ __global__ void __launch_bounds__(mla::THREADS) mla_decode_balanced(
         if (e0 == e1) continue;  // an empty entry: no tiles (the combine writes its zeros)
         const int s0 = max(a0, e0), s1 = min(a1, e1);
         const int len = min(lengths[b], max_length);  // > 0: the entry has tiles
-        const T* rows = PAGED ? cache : cache + (long long)slots[b] * max_len * D;
         const bool whole = s0 == e0 && s1 == e1;
         const long long slot = (long long)worker + b;
-        attend_rows<T, DL, DR, STAGES, PAGED>(
+        attend_rows<T, DL, DR, STAGES, true>(
             whole ? out + (long long)b * H * DL : o_part + slot * H * DL, DL,
-            whole ? nullptr : lse_part + slot * H, 1, q, rows,
-            PAGED ? block_table + (long long)b * table_width : nullptr, table_width, block_size, num_rows,
+            whole ? nullptr : lse_part + slot * H, 1, q, cache,
+            block_table + (long long)b * table_width, table_width, block_size, num_rows,
             b, h0, H, (s0 - e0) * TILE, min(len, (s1 - e0) * TILE), scale_log2);
     }
 }

@@ -70,12 +70,15 @@
 #pragma once
 #include "tensor_core.cuh"
 
-namespace mla {
-constexpr int HEADS = 16;  // heads per block: the M of the MMA
-constexpr int WARPS = 4;
+namespace mla {  // set in dsv2_lib/ops/mla_decode.py, which sizes the grid and the shared memory with them
+constexpr int HEADS = DSV2_MLA_HEADS;  // heads per block: the M of the MMA
+constexpr int WARPS = DSV2_MLA_WARPS;
 constexpr int THREADS = WARPS * 32;
-constexpr int TILE = 32;   // cache rows per pipeline stage
-constexpr int SS_PITCH = TILE / 8 * 4 + 4;  // floats per lane of the partial-score exchange: 16 + 4 of padding
+constexpr int TILE = DSV2_MLA_TILE;    // cache rows per pipeline stage
+constexpr int ROW_PAD = DSV2_MLA_ROW_PAD;    // elements of padding per staged row
+constexpr int SS_PITCH = DSV2_MLA_SS_PITCH;  // floats per lane of the partial-score exchange: 16 + 4 of padding
+static_assert(HEADS == 16 && ROW_PAD % 8 == 0, "16 heads = the MMA's M; 16-byte aligned staged rows");
+static_assert(SS_PITCH % 4 == 0 && SS_PITCH >= TILE / 2, "a lane's TILE / 2 partial scores, as float4s");
 }  // namespace mla
 
 // Attend rows [t_begin, t_end) of entry b (t_end <= its length) with heads h0 .. h0+15 and write
@@ -83,16 +86,16 @@ constexpr int SS_PITCH = TILE / 8 * 4 + 4;  // floats per lane of the partial-sc
 // lse = m + log2(l) to lse_dst[h * lse_stride]. `rows` is the entry's slot (contiguous) or the whole
 // paged cache with `table` the entry's block-table row. Called by every thread of the block with
 // the same arguments; a block may call it several times (the balanced schedule does).
-// Dynamic shared memory (keep in sync with _shared_bytes in dsv2_lib/ops/mla_decode.py): STAGES * TILE
-// rows of PITCH = D + 8 elements (the 16-byte pad puts the 8 rows an ldmatrix reads in 8 different
-// bank groups), then WARPS x 32 lanes x SS_PITCH fp32 partial scores.
+// Dynamic shared memory (_shared_bytes in dsv2_lib/ops/mla_decode.py sizes it from the same constants):
+// STAGES * TILE rows of PITCH = D + ROW_PAD elements (the 16-byte pad puts the 8 rows an ldmatrix reads
+// in 8 different bank groups), then WARPS x 32 lanes x SS_PITCH fp32 partial scores.
 template <typename T, int DL, int DR, int STAGES, bool PAGED>
 __device__ __forceinline__ void attend_rows(
     float* o_dst, long long o_stride, float* lse_dst, long long lse_stride, const T* __restrict__ q,
     const T* __restrict__ rows, const int* __restrict__ table, int table_width, int block_size, long long num_rows,
     int b, int h0, int H, int t_begin, int t_end, float scale_log2) {
     using namespace mla;
-    constexpr int D = DL + DR, PITCH = D + 8;
+    constexpr int D = DL + DR, PITCH = D + ROW_PAD;
     constexpr int KS = D / 16;                 // k-steps of the score product
     constexpr int QKS = (KS + WARPS - 1) / WARPS;  // k-steps per warp (w, w + 4, ...)
     constexpr int NT_S = TILE / 8;             // score n-tiles (8 tokens each)
@@ -323,7 +326,7 @@ __device__ __forceinline__ void attend_rows(
 // deterministic, bit for bit whatever the width. V = 2 (64 columns) makes many blocks for a few rows of
 // many partials (batch 1, long context); a wide V makes few blocks for many rows of a few partials (large
 // batches), where most of a narrow block's time would be its fixed cost.
-constexpr int COMBINE_WARPS = 8;
+constexpr int COMBINE_WARPS = DSV2_MLA_COMBINE_WARPS;  // set in dsv2_lib/ops/mla_decode.py
 
 // V consecutive floats: one float2 for V = 2, else V/4 16-byte vectors (common.cuh's Vec16).
 template <int V>

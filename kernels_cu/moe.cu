@@ -130,7 +130,10 @@ __global__ void moe_align(int* __restrict__ sorted_rows, int* __restrict__ slot_
 // DOWN: tile rows are rows of h; weight row r = output column n0 + r, n0 = blockIdx.y * 128; out y [cap, H].
 // blockIdx.x = tile; tiles past the last expert's segment (tile_expert = -1) exit at once.
 // ------------------------------------------------------------------------------------------------
-constexpr int BM = 64, BN = 128, BK = 32, PITCH = BK + 8, GEMM_THREADS = 128;
+// BM, BN and the block are set in dsv2_lib/ops/moe_routing.py (with the GEMV and skinny geometry below).
+constexpr int BM = DSV2_MOE_GEMM_BM, BN = DSV2_MOE_GEMM_BN, BK = 32, PITCH = BK + 8;
+constexpr int GEMM_THREADS = 32 * DSV2_MOE_GEMM_WARPS;
+static_assert(BM == 64 && BN == 128 && GEMM_THREADS == 128, "a 2 x 2 grid of warps, 32 rows x 64 weight rows each");
 
 __device__ __forceinline__ unsigned ld32(const void* p) { return *reinterpret_cast<const unsigned*>(p); }
 
@@ -277,9 +280,9 @@ moe_gemm(T* __restrict__ out, const T* __restrict__ a_src, const T* __restrict__
 // before using any, and VECS trades those trips against registers (more vectors in flight, fewer
 // warps per SM): GATE_UP_VECS and DOWN_VECS are set by timing the launches on the H200.
 // ------------------------------------------------------------------------------------------------
-constexpr int GEMV_WARPS = 4, GEMV_THREADS = 32 * GEMV_WARPS;
-constexpr int GATE_UP_COLS = 2;  // gate|up columns per warp (a gate row and an up row each), one after the other
-constexpr int DOWN_COLS = 4;     // down columns per block, two at a time per warp (keep both in sync with moe_experts.py)
+constexpr int GEMV_WARPS = DSV2_MOE_GEMV_WARPS, GEMV_THREADS = 32 * GEMV_WARPS;
+constexpr int GATE_UP_COLS = DSV2_MOE_GATE_UP_COLS;  // gate|up columns per warp (a gate and an up row each), in turn
+constexpr int DOWN_COLS = DSV2_MOE_DOWN_COLS;        // down columns per block, two at a time per warp
 constexpr int GATE_UP_VECS = 4, DOWN_VECS = 3;  // VECS of dot2: K = 2048 in two trips, K = 1408 in two
 
 // dot2 (common.cuh) streams a pair of weight rows against the input row.
@@ -470,15 +473,16 @@ moe_gemv_down_combine(T* __restrict__ out, const T* __restrict__ h, const T* __r
 // One warp owns 16 output columns over the whole K (GATE_UP: 16 gate rows and the 16 matching up rows,
 // sharing the input registers); blockIdx.x = tile, blockIdx.y = a slab of SKINNY_WARPS x 16 columns.
 // The host checks K % 64 == 0 and n_out % 16 == 0.
-// GATE_UP: out = h [tiles * 8, I], in = x [T, H] (slot s reads token sorted_rows[s] / topk; padding
+// GATE_UP: out = h [tiles * 8, I], a_src = x [T, H] (slot s reads token sorted_rows[s] / topk; padding
 //          slots read nothing and get h = 0), w_all = gate_up [E, 2I, H].
-// DOWN:    out = y [tiles * 8, H], in = h (slot s reads row s), w_all = down [E, H, I].
+// DOWN:    out = y [tiles * 8, H], a_src = h (slot s reads row s), w_all = down [E, H, I].
 // ------------------------------------------------------------------------------------------------
-constexpr int SKINNY_WARPS = 4, SKINNY_ROWS = 8;  // keep in sync with moe_experts.py
+constexpr int SKINNY_WARPS = DSV2_MOE_SKINNY_WARPS, SKINNY_ROWS = DSV2_MOE_SKINNY_ROWS;  // set in moe_routing.py
+static_assert(SKINNY_ROWS == 8, "a tile's tokens are the 8-wide N side of the mma");
 
 template <typename T, bool GATE_UP>
 __global__ void __launch_bounds__(SKINNY_WARPS * 32)
-moe_skinny(T* __restrict__ out, const T* __restrict__ in, const T* __restrict__ w_all, const int* __restrict__ sorted_rows,
+moe_skinny(T* __restrict__ out, const T* __restrict__ a_src, const T* __restrict__ w_all, const int* __restrict__ sorted_rows,
            const int* __restrict__ tile_expert, int n_out, int K, int topk) {
     constexpr int NM = GATE_UP ? 2 : 1;  // weight matrices sharing the input: gate and up, or down
     const int tile = blockIdx.x, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -489,9 +493,9 @@ moe_skinny(T* __restrict__ out, const T* __restrict__ in, const T* __restrict__ 
     const T* xr;
     if constexpr (GATE_UP) {
         const int c = sorted_rows[s];
-        xr = c >= 0 ? in + (long long)(c / topk) * K : nullptr;
+        xr = c >= 0 ? a_src + (long long)(c / topk) * K : nullptr;
     } else {
-        xr = in + s * K;
+        xr = a_src + s * K;
     }
     const T* w_lo[NM];
     const T* w_hi[NM];

@@ -4,7 +4,8 @@
 #include "common.cuh"
 
 constexpr unsigned FULL = 0xffffffffu;
-constexpr int ROUTER_PER_LANE = 8;  // experts per lane: E <= 32 * 8 = 256 (MAX_EXPERTS in dsv2_lib/ops/moe_routing.py)
+// Experts per lane: E <= 32 * ROUTER_PER_LANE = MAX_EXPERTS (both set in dsv2_lib/ops/moe_routing.py).
+constexpr int ROUTER_PER_LANE = DSV2_MOE_ROUTER_PER_LANE;
 
 // ------------------------------------------------------------------------------------------------
 // Router. One warp per token; expert e lives in lane e % 32, slot e / 32.

@@ -11,7 +11,7 @@
 //                 time from cache).
 #include "common.cuh"
 
-constexpr int ROW_VECS = 4;  // 16-byte vectors per thread in the VEC variant (keep in sync with norm.py)
+constexpr int ROW_VECS = DSV2_RMSNORM_ROW_VECS;  // 16-byte vectors per thread in the VEC variant (set in norm.py)
 
 // g[k] = this thread's vectors of the weight w (VEC variants), loaded before the row's reduction so
 // that their latency overlaps it instead of following it.

@@ -1,7 +1,8 @@
 """Kernel plumbing that needs no GPU: backend selection and a compile check of every .cu file.
 
 The compile check builds, with the machine's nvcc for sm_90, exactly the template instantiations
-the engine asks NVRTC for at run time, so a syntax or type error in kernels_cu/ fails CI. nvcc
+the engine asks NVRTC for at run time, with the same -D defines (the constants Python and CUDA
+share), so a syntax or type error in kernels_cu/ fails CI. nvcc
 pulls in <math.h> through cuda_runtime.h, NVRTC does not: the check undefines the math macros a
 kernel might use by habit (INFINITY, NAN, HUGE_VALF), so such a use fails here as it would there.
 """
@@ -40,7 +41,7 @@ def test_kernel_file_compiles_for_sm90(filename, tmp_path):
         f'#include "{filename}"\n'
         + "".join(f"static const void* k{i} = (const void*)&{name};\n" for i, name in enumerate(kf.names))
     )
-    r = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", f"-I{kernels.KERNEL_DIR}", "-c", str(unit),
+    r = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", f"-I{kernels.KERNEL_DIR}", *kf.flags(), "-c", str(unit),
                         "-o", str(tmp_path / "k.o")], capture_output=True, text=True)
     assert r.returncode == 0, f"{filename} does not compile:\n{r.stderr}"
 

@@ -1,17 +1,24 @@
 """From ``kernels_cu/*.cu`` to a launch: compile with NVRTC through CuPy, pick the backend, check
 tensors, launch on PyTorch's current stream.
 
-Every op module declares its kernels once with :class:`KernelFile` (file name and the template
-instantiations it uses). Kernels are compiled on first use for the GPU at hand (``sm_XY``) and
-cached per (file, device). Launches go to ``torch.cuda.current_stream()`` read at each launch, so
-a whole decode step can be captured in a CUDA graph. Pointers travel as ``numpy.uint64``,
-integers as ``numpy.int32``/``int64``, floats as ``numpy.float32``.
+Every op module declares its kernels once with :class:`KernelFile`: the file name, the template
+instantiations it uses and the constants Python and CUDA share (``defines``, the one source of each:
+the compiler gets them as ``-D`` flags, so a ``.cu`` file says ``constexpr int WARPS = DSV2_GEMV_WARPS;``).
+Kernels are compiled on first use for the GPU at hand (``sm_XY``) and cached per (file, device).
+:meth:`KernelFile.launch` takes the arguments by the names of the kernel's ``__global__`` parameters
+(parsed once from the source) and refuses a missing or unknown one. Launches go to
+``torch.cuda.current_stream()`` read at each launch, so a whole decode step can be captured in a CUDA
+graph. Pointers travel as ``numpy.uint64``, integers as ``numpy.int32``/``int64``, floats as ``numpy.float32``.
 """
 from __future__ import annotations
 
+import difflib
 import functools
 import hashlib
+import keyword
+import operator
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,29 +32,84 @@ BACKENDS = ("auto", "cuda", "torch")
 
 @dataclass(frozen=True)
 class KernelFile:
-    """A ``.cu`` file and the kernel instantiations (C++ name expressions) the engine launches from it."""
+    """A ``.cu`` file, the kernel instantiations (C++ name expressions) the engine launches from it, and
+    the constants it shares with Python (``defines``: ``(macro name, int)`` pairs, every name ``DSV2_...``)."""
 
     filename: str
     names: tuple[str, ...]
+    defines: tuple[tuple[str, int], ...] = ()
+
+    def flags(self) -> tuple[str, ...]:
+        """The ``-D`` flags that carry ``defines`` to the compiler (NVRTC here, nvcc in the compile check).
+        CuPy keys its compile cache on the options as well as the source, so a changed constant recompiles."""
+        return tuple(f"-D{name}={value}" for name, value in self.defines)
 
     def function(self, name: str, device: torch.device):
         """The compiled kernel ``name`` (one of ``names``) for ``device``; looked up once, then cached."""
         key = (self.filename, name, _device_index(device))
         fn = _functions.get(key)
         if fn is None:
-            if name not in self.names:
-                raise KeyError(f"{self.filename}: kernel {name!r} is not declared; declared: {', '.join(self.names)}")
+            self._check_declared(name)
             fn = _functions[key] = _compiled(self, key[2]).get_function(name)
         return fn
 
+    def params(self, name: str) -> tuple[str, ...]:
+        """The parameter names of kernel ``name`` (one of ``names``) in the order of its ``__global__``
+        signature, in the file or a header it includes; parsed once."""
+        params = _params.get((self.filename, name))
+        if params is None:
+            self._check_declared(name)
+            base = name.split("<", 1)[0].strip()
+            found = _signatures(KERNEL_DIR / self.filename)
+            if base not in found:
+                raise KeyError(f"{self.filename}: no __global__ function {base!r} in the file or its headers")
+            params = _params[(self.filename, name)] = found[base]
+        return params
+
+    def launch(self, name: str, device: torch.device, grid: tuple[int, ...], block: tuple[int, ...], /, *,
+               shared_mem: int = 0, **args) -> None:
+        """Launch kernel ``name`` on ``device`` with every argument named as its ``__global__`` parameter
+        (``out=kernels.ptr(out), n=np.int32(n)``), put in signature order; a missing, unknown or misspelled
+        name raises :func:`bind`'s ``TypeError`` (on a first launch, before anything is compiled).
+
+        The first launch of a kernel on a device checks the names with :func:`bind` and keeps the compiled
+        function with an ``operator.itemgetter`` of the parameter order, so a later launch costs one dict
+        lookup and one C call more than a positional tuple would (hundreds of launches per prefill)."""
+        key = (self.filename, name, _device_index(device))
+        entry = _launchers.get(key)
+        if entry is None:
+            params = self.params(name)
+            bind(params, args, name, self.filename)
+            order = operator.itemgetter(*params) if len(params) > 1 else lambda a: tuple(a[p] for p in params)
+            entry = _launchers[key] = (self.function(name, device), order, len(params))
+        fn, order, n = entry
+        try:
+            values = order(args)
+        except KeyError:
+            values = None
+        if values is None or len(args) != n:
+            bind(self.params(name), args, name, self.filename)  # raises, naming the parameter
+        launch(fn, grid, block, values, shared_mem)
+
+    def _check_declared(self, name: str) -> None:
+        if name not in self.names:
+            raise KeyError(f"{self.filename}: kernel {name!r} is not declared; declared: {', '.join(self.names)}")
+
 
 _functions: dict[tuple[str, str, int], object] = {}
+_params: dict[tuple[str, str], tuple[str, ...]] = {}
+_launchers: dict[tuple[str, str, int], tuple] = {}  # (file, kernel, device) -> (function, parameter order, count)
 KERNEL_FILES: dict[str, KernelFile] = {}
 
 
-def declare(filename: str, names: list[str]) -> KernelFile:
-    """Register a kernel file (used by the compile check, which builds exactly these instantiations)."""
-    kf = KernelFile(filename, tuple(names))
+def declare(filename: str, names: list[str], defines: dict[str, int] | None = None) -> KernelFile:
+    """Register a kernel file (used by the compile check, which builds exactly these instantiations with
+    these ``defines``: the constants the file shares with Python, ``DSV2_...`` names and int values)."""
+    defines = dict(defines or {})
+    for macro, value in defines.items():
+        if not re.fullmatch(r"DSV2_[A-Z0-9_]+", macro) or type(value) is not int:
+            raise ValueError(f"{filename}: define {macro}={value!r}: want a DSV2_... name and an int")
+    kf = KernelFile(filename, tuple(names), tuple(sorted(defines.items())))
     KERNEL_FILES[filename] = kf
     return kf
 
@@ -63,19 +125,106 @@ def _source(kf: KernelFile) -> str:
     return (KERNEL_DIR / kf.filename).read_text() + f"\n// headers: sha256 {headers}\n"
 
 
+def _options(kf: KernelFile, capability: tuple[int, int]) -> tuple[str, ...]:
+    """NVRTC's options for ``kf`` on a GPU of compute ``capability``: C++17, the architecture, the include
+    directory and the file's defines."""
+    return ("-std=c++17", f"--gpu-architecture=sm_{capability[0]}{capability[1]}", f"-I{KERNEL_DIR}", *kf.flags())
+
+
 @functools.cache
 def _compiled(kf: KernelFile, device_index: int):
     import cupy
 
-    major, minor = torch.cuda.get_device_capability(device_index)
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(
-            code=_source(kf),
-            options=("-std=c++17", f"--gpu-architecture=sm_{major}{minor}", f"-I{KERNEL_DIR}"),
-            name_expressions=kf.names,
-        )
+        module = cupy.RawModule(code=_source(kf), options=_options(kf, torch.cuda.get_device_capability(device_index)),
+                                name_expressions=kf.names)
         module.compile()
     return module
+
+
+# ---- kernel signatures -----------------------------------------------------------------------------
+_GLOBAL = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)\s*)?(\w+)\s*\(")
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+_QUALIFIERS = {"const", "volatile", "unsigned", "signed", "__restrict__", "void"}
+
+
+def _texts(path: Path, seen: set[Path] | None = None) -> list[str]:
+    """The text of ``path`` and of every local header it includes (``#include "..."``, looked up beside the
+    file, then in ``KERNEL_DIR``), each once."""
+    seen = set() if seen is None else seen
+    path = path.resolve()
+    if path in seen:
+        return []
+    seen.add(path)
+    text = path.read_text()
+    texts = [text]
+    for header in _INCLUDE.findall(text):
+        found = next((p for p in (path.parent / header, KERNEL_DIR / header) if p.is_file()), None)
+        if found is not None:
+            texts += _texts(found, seen)
+    return texts
+
+
+@functools.cache
+def _signatures(path: Path) -> dict[str, tuple[str, ...]]:
+    """Kernel name -> its parameter names in order, for every ``__global__`` function of ``path`` and of the
+    local headers it includes."""
+    found: dict[str, tuple[str, ...]] = {}
+    for text in _texts(path):
+        text = _COMMENT.sub(" ", text)
+        for m in _GLOBAL.finditer(text):
+            end, depth = m.end(), 1
+            while depth:
+                depth += {"(": 1, ")": -1}.get(text[end], 0)
+                end += 1
+            params = _param_names(text[m.end() : end - 1], m[1], path)
+            if found.setdefault(m[1], params) != params:
+                raise ValueError(f"{path.name}: kernel {m[1]} is defined twice with different parameters")
+    return found
+
+
+def _param_names(plist: str, kernel: str, path: Path) -> tuple[str, ...]:
+    """The names in a ``__global__`` parameter list (commas inside brackets do not split it)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(plist + ","):
+        depth += (ch in "(<[{") - (ch in ")>]}")
+        if ch == "," and depth == 0:
+            parts.append(plist[start:i].split("=")[0].strip())
+            start = i + 1
+    names = []
+    for part in parts:
+        if part in ("", "void"):
+            continue
+        m = re.search(r"(\w+)\s*(?:\[[^\]]*\]\s*)*$", part)
+        if m is None or m[1] in _QUALIFIERS or part == m[1]:
+            raise ValueError(f"{path.name}: kernel {kernel}: cannot read a parameter name in {part!r}")
+        if keyword.iskeyword(m[1]) or m[1] == "shared_mem":
+            raise ValueError(f"{path.name}: kernel {kernel}: parameter {m[1]!r} cannot be a keyword argument of "
+                             "KernelFile.launch; rename it")
+        names.append(m[1])
+    return tuple(names)
+
+
+def bind(params: tuple[str, ...], args: dict, kernel: str, filename: str) -> tuple:
+    """``args`` (parameter name -> value) as the positional tuple a kernel with parameters ``params`` takes.
+    Every parameter exactly once: a missing, unknown or misspelled name raises ``TypeError`` naming the
+    ``kernel``, its ``filename`` and the parameter."""
+    try:
+        values = tuple(map(args.__getitem__, params))
+    except KeyError:
+        values = None
+    if values is None or len(args) != len(params):
+        unknown = [a for a in args if a not in params]
+        missing = [p for p in params if p not in args]
+        problems = []
+        for a in unknown:
+            close = difflib.get_close_matches(a, missing or params, n=1)
+            problems.append(f"unknown argument {a!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        if missing:
+            problems.append("missing argument" + "s" * (len(missing) > 1) + " " + ", ".join(map(repr, missing)))
+        raise TypeError(f"{filename}: {kernel}: {'; '.join(problems)}; its parameters are ({', '.join(params)})")
+    return values
 
 
 # ---- backend choice --------------------------------------------------------------------------------
@@ -153,7 +302,8 @@ _streams: dict[int, object] = {}
 
 
 def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
-    """Launch on PyTorch's current stream (read now, so graph capture records the launch).
+    """Launch a compiled kernel on PyTorch's current stream (read now, so graph capture records the launch),
+    ``args`` in the order of its parameters, as :meth:`KernelFile.launch` builds them from names (:func:`bind`).
 
     The handle comes from ``torch._C._cuda_getCurrentRawStream`` (what Triton and PyTorch's own
     generated code call): ``torch.cuda.current_stream()`` builds a Stream object each time, several

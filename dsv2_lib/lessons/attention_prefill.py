@@ -37,6 +37,7 @@ ATTENTION_LESSON_CU = kernels.declare(
     "lessons/attention_prefill.cu",
     [f"attention_prefill_naive<{t}>" for t in CUDA_TYPE.values()]
     + [m.kernel_name(t) for m in MMA_VARIANTS.values() for t in attention.MMA_TYPES],
+    attention.HEADER_DEFINES,
 )
 
 
@@ -57,8 +58,8 @@ def prefill_attention_version(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch
     Tq, h = q.shape[:2]
     out = torch.empty(Tq, h, attention.D_V, dtype=q.dtype, device=q.device)
     if Tq:
-        ptrs, tail, _ = attention.kernel_args(out, q, k_nope, k_pe, v, cu_q, cu_k, scale, block_q=0)
-        kernel = ATTENTION_LESSON_CU.function(f"attention_prefill_naive<{CUDA_TYPE[q.dtype]}>", q.device)
-        kernels.launch(kernel, (-(-Tq * h // NAIVE_THREADS),), (NAIVE_THREADS,),
-                       (*ptrs, np.int32(len(cu_q) - 1), np.int32(Tq), np.int32(h), *tail))
+        args, _ = attention.kernel_args(out, q, k_nope, k_pe, v, cu_q, cu_k, scale, block_q=0)
+        ATTENTION_LESSON_CU.launch(f"attention_prefill_naive<{CUDA_TYPE[q.dtype]}>", q.device,
+                                   (-(-Tq * h // NAIVE_THREADS),), (NAIVE_THREADS,),
+                                   B=np.int32(len(cu_q) - 1), Tq=np.int32(Tq), h=np.int32(h), **args)
     return out

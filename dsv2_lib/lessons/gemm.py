@@ -13,8 +13,9 @@ import torch
 from dsv2_lib.core import kernels
 from dsv2_lib.core.kernels import CUDA_TYPE
 
-BM, BN, THREADS = 64, 64, 256  # C tile per block and threads per block (kernels_cu/lessons/gemm.cu)
-GEMM_CU = kernels.declare("lessons/gemm.cu", [f"tiled_matmul<{t}>" for t in CUDA_TYPE.values()])
+BM, BN, THREADS = 64, 64, 256  # C tile per block and threads per block (a 4 x 4 sub-tile each)
+GEMM_CU = kernels.declare("lessons/gemm.cu", [f"tiled_matmul<{t}>" for t in CUDA_TYPE.values()],
+                          {"DSV2_GEMM_BM": BM, "DSV2_GEMM_BN": BN, "DSV2_GEMM_THREADS": THREADS})
 
 
 def tiled_matmul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -45,7 +46,6 @@ def tiled_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = torch.empty(M, N, dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:  # nothing to compute (K = 0 is launched: the kernel writes zeros)
         return out
-    kernel = GEMM_CU.function(f"tiled_matmul<{CUDA_TYPE[a.dtype]}>", a.device)
-    kernels.launch(kernel, (-(-N // BN), -(-M // BM)), (THREADS,),
-                   (kernels.ptr(out), kernels.ptr(a), kernels.ptr(b), np.int32(M), np.int32(N), np.int32(K)))
+    GEMM_CU.launch(f"tiled_matmul<{CUDA_TYPE[a.dtype]}>", a.device, (-(-N // BN), -(-M // BM)), (THREADS,),
+                   C=kernels.ptr(out), A=kernels.ptr(a), B=kernels.ptr(b), M=np.int32(M), N=np.int32(N), K=np.int32(K))
     return out

@@ -9,7 +9,8 @@ case in words. Without a GPU the part that needs none still runs: the source is 
 with ``nvcc`` when it is installed, so syntax and type errors show up on any machine.
 
 Each kernel is ``extern "C"`` (a plain name to look up) and works in float32; the launch is fixed
-by the exercise, so the signature and the grid are part of the task:
+by the exercise, so the signature and the grid are part of the task (the launchers name each argument
+as the signature below does, and :func:`~dsv2_lib.core.kernels.bind` puts them in its order):
 
 * ``rms_norm_kernel`` (chapter 03): ``rms_norm(const float* x, const float* weight, float* out,
   int cols, float eps)``, one block of 256 threads per row of ``x [rows, cols]``.
@@ -34,6 +35,8 @@ from dsv2_lib.lessons.exercises import _Case, _difference
 from dsv2_lib.ops import activation, norm
 
 THREADS = 256  # threads per block of every exercise's launch
+RMS_NORM_PARAMS = ("x", "weight", "out", "cols", "eps")  # the exercises' signatures (module doc)
+SILU_PARAMS = ("x", "out", "rows", "inter")
 
 
 class KernelCompileError(ValueError):
@@ -63,8 +66,9 @@ def _rms_norm_cases() -> list[_Case]:
 def _launch_rms_norm(fn, x, weight, eps):
     x, weight = x.cuda().contiguous(), weight.cuda().contiguous()
     out = torch.empty_like(x)
-    kernels.launch(fn, (x.shape[0],), (THREADS,), (kernels.ptr(x), kernels.ptr(weight), kernels.ptr(out),
-                                                    np.int32(x.shape[1]), np.float32(eps)))
+    args = dict(x=kernels.ptr(x), weight=kernels.ptr(weight), out=kernels.ptr(out), cols=np.int32(x.shape[1]),
+                eps=np.float32(eps))
+    kernels.launch(fn, (x.shape[0],), (THREADS,), kernels.bind(RMS_NORM_PARAMS, args, "rms_norm", "the exercise"))
     return out.cpu()
 
 
@@ -78,8 +82,9 @@ def _launch_silu(fn, x):
     x = x.cuda().contiguous()
     rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, inter, device=x.device)
-    kernels.launch(fn, (-(-rows * inter // THREADS),), (THREADS,),
-                   (kernels.ptr(x), kernels.ptr(out), np.int32(rows), np.int32(inter)))
+    args = dict(x=kernels.ptr(x), out=kernels.ptr(out), rows=np.int32(rows), inter=np.int32(inter))
+    kernels.launch(fn, (-(-rows * inter // THREADS),), (THREADS,), kernels.bind(SILU_PARAMS, args, "silu_and_mul",
+                                                                                "the exercise"))
     return out.cpu()
 
 

@@ -23,6 +23,7 @@ from dsv2_lib.core import kernels
 from dsv2_lib.core.kernels import CUDA_TYPE
 from dsv2_lib.ops.mla_decode import (
     COMBINE_WARPS,
+    HEADER_DEFINES,
     HEADS_PER_BLOCK,
     SHAPES,
     STAGES,
@@ -48,11 +49,13 @@ FUSED_MAX_SPLITS = 2
 # A split streams at least this many 32-row tiles: at serving contexts the parallelism matters more than
 # amortising each split's query load and partial write (set by benchmarks/bench_mla_decode_paged.py's sweep).
 MIN_TILES_PER_SPLIT = 1
-COMBINE_COLS = 64  # output columns of a mla_decode_combine block (merge_partials<2>)
+COMBINE_WIDTH = 2  # floats per lane of mla_decode_combine's merge (merge_partials<COMBINE_WIDTH>)
+COMBINE_COLS = 32 * COMBINE_WIDTH  # output columns of a mla_decode_combine block: 64
 MLA_DECODE_SPLIT_CU = kernels.declare(
     "lessons/mla_decode_split.cu",
     [f"mla_decode_split<{t}, {dl}, {dr}, {s}, {p}>" for t in ("__half", "__nv_bfloat16") for dl, dr in SHAPES
      for s in STAGES for p in ("false", "true")] + ["mla_decode_combine"],
+    {**HEADER_DEFINES, "DSV2_MLA_SPLIT_COMBINE_WIDTH": COMBINE_WIDTH},
 )
 
 
@@ -169,18 +172,20 @@ def _launch(query, cache, slots_ptr, lengths_t, max_length, scale, kv_lora_rank,
         chunk = -(-tiles // num_splits) * TILE
         splits = max(1, -(-max_length // chunk))
     grid = (splits, B, -(-H // HEADS_PER_BLOCK))
-    scale_log2 = np.float32(scale * 1.4426950408889634)
+    null = np.uint64(0)
     if paged is None:
-        tail = (np.uint64(0), np.int32(0), np.int32(0), np.int64(0))
+        table_args = dict(block_table=null, table_width=np.int32(0), block_size=np.int32(0), num_rows=np.int64(0))
     else:
         table, block_size = paged
-        tail = (kernels.ptr(table), np.int32(table.shape[1]), np.int32(block_size), np.int64(cache.shape[0]))
-    common = (kernels.ptr(query), kernels.ptr(cache), slots_ptr, kernels.ptr(lengths_t), np.int32(H),
-              np.int32(num_slots), np.int32(max_len), np.int32(max_length), np.int32(chunk), scale_log2) + tail
-    common_nc = common[:4] + (np.uint64(0),) + common[4:]  # no counters: the combine kernel merges
+        table_args = dict(block_table=kernels.ptr(table), table_width=np.int32(table.shape[1]),
+                          block_size=np.int32(block_size), num_rows=np.int64(cache.shape[0]))
+    common = dict(q=kernels.ptr(query), cache=kernels.ptr(cache), slots=slots_ptr, lengths=kernels.ptr(lengths_t),
+                  H=np.int32(H), num_slots=np.int32(num_slots), max_len=np.int32(max_len),
+                  max_length=np.int32(max_length), chunk=np.int32(chunk),
+                  scale_log2=np.float32(scale * 1.4426950408889634), **table_args)
     if splits == 1:  # the block writes the final result; no combine
-        kernels.launch(kernel, grid, (WARPS * 32,), (kernels.ptr(out), np.uint64(0), np.uint64(0)) + common_nc,
-                       shared_mem=smem)
+        MLA_DECODE_SPLIT_CU.launch(name, cache.device, grid, (WARPS * 32,), shared_mem=smem, o_part=kernels.ptr(out),
+                                   lse_part=null, final_out=null, counters=null, **common)
         return out
     need = B * H * splits * (kv_lora_rank + 1)
     if workspace is None:
@@ -202,15 +207,15 @@ def _launch(query, cache, slots_ptr, lengths_t, max_length, scale, kv_lora_rank,
         kernels.check(counters, "mla_decode counters", dtype=torch.int32, device=cache.device)
         if counters.numel() < B * groups:
             raise ValueError(f"mla_decode counters: {counters.numel()} values, this call needs {B * groups}")
-        kernels.launch(kernel, grid, (WARPS * 32,),
-                       (kernels.ptr(o_part), kernels.ptr(lse), kernels.ptr(out)) + common[:4] + (kernels.ptr(counters),)
-                       + common[4:], shared_mem=smem)
+        MLA_DECODE_SPLIT_CU.launch(name, cache.device, grid, (WARPS * 32,), shared_mem=smem,
+                                   o_part=kernels.ptr(o_part), lse_part=kernels.ptr(lse), final_out=kernels.ptr(out),
+                                   counters=kernels.ptr(counters), **common)
         return out
-    kernels.launch(kernel, grid, (WARPS * 32,), (kernels.ptr(o_part), kernels.ptr(lse), np.uint64(0)) + common_nc,
-                   shared_mem=smem)
-    combine = MLA_DECODE_SPLIT_CU.function("mla_decode_combine", cache.device)
-    kernels.launch(combine, (-(-kv_lora_rank // COMBINE_COLS), H, B), (COMBINE_WARPS * 32,),
-                   (kernels.ptr(out), kernels.ptr(o_part), kernels.ptr(lse), np.int32(splits), np.int32(kv_lora_rank)))
+    MLA_DECODE_SPLIT_CU.launch(name, cache.device, grid, (WARPS * 32,), shared_mem=smem, o_part=kernels.ptr(o_part),
+                               lse_part=kernels.ptr(lse), final_out=null, counters=null, **common)
+    MLA_DECODE_SPLIT_CU.launch("mla_decode_combine", cache.device, (-(-kv_lora_rank // COMBINE_COLS), H, B),
+                               (COMBINE_WARPS * 32,), out=kernels.ptr(out), o_part=kernels.ptr(o_part),
+                               lse=kernels.ptr(lse), splits=np.int32(splits), dl=np.int32(kv_lora_rank))
     return out
 
 

@@ -17,18 +17,20 @@ from dsv2_lib.core import kernels
 from dsv2_lib.core.config import ModelConfig
 from dsv2_lib.core.kernels import CUDA_TYPE
 from dsv2_lib.ops.moe_experts import MoETuning, combine, few_tokens
-from dsv2_lib.ops.moe_routing import ALIGN_THREADS, MAX_EXPERTS, router_args
+from dsv2_lib.ops.moe_routing import ALIGN_THREADS, HEADER_DEFINES, MAX_EXPERTS, router_args
 
-GEMV_TB = 8                  # choices per work item (GEMV_TB in moe_grouped.cu)
-WARPS = 4                    # warps per block of the grouped GEMV kernels (1..8: __launch_bounds__(256))
+GEMV_TB = 8                  # choices per work item
+MAX_WARPS = 8                # the kernels' __launch_bounds__: at most 8 warps a block
+WARPS = 4                    # warps per block of the grouped GEMV kernels (1 .. MAX_WARPS)
 COLS_PER_WARP = 1            # output columns per warp (grid y = cols / (warps * this))
-ROUTER_THREADS = 256         # block of moe_route_gemv (block 0 routes, one warp per token; the rest: shared gate|up)
+ROUTER_THREADS = 32 * MAX_WARPS  # block of moe_route_gemv (block 0 routes, a warp per token; the rest: shared gate|up)
 _UNBOUNDED = MoETuning(gemv_max_tokens=1 << 30, fp32_gemv_max_tokens=1 << 30)  # T is bounded by _items_fit alone
 
 MOE_GROUPED_CU = kernels.declare(
     "lessons/moe_grouped.cu",
     [f"moe_gemv_grouped<{t}, {g}>" for t in CUDA_TYPE.values() for g in ("true", "false")] + ["moe_gemv_items"]
     + [f"moe_route_gemv<{t}>" for t in CUDA_TYPE.values()],
+    {**HEADER_DEFINES, "DSV2_GROUPED_TB": GEMV_TB, "DSV2_GROUPED_MAX_WARPS": MAX_WARPS},
 )
 
 
@@ -78,9 +80,9 @@ def moe_gemv_items(ids: torch.Tensor, n_experts: int):
     if not 0 < n_experts <= MAX_EXPERTS or not _items_fit(n, n_experts):
         raise ValueError(f"moe_gemv_items: needs 0 < n_experts <= {MAX_EXPERTS} and (T*k + 3E) * 4 <= 48 KiB")
     work = _items_workspace(n, n_experts, ids.device)
-    kernels.launch(MOE_GROUPED_CU.function("moe_gemv_items", ids.device), (1,), (ALIGN_THREADS,),
-                   (kernels.ptr(work[0]), kernels.ptr(work[1]), kernels.ptr(work[2]), kernels.ptr(ids),
-                    np.int32(n), np.int32(n_experts)), shared_mem=(n + 3 * n_experts) * 4)
+    MOE_GROUPED_CU.launch("moe_gemv_items", ids.device, (1,), (ALIGN_THREADS,), shared_mem=(n + 3 * n_experts) * 4,
+                          sorted=kernels.ptr(work[0]), items=kernels.ptr(work[1]), n_items=kernels.ptr(work[2]),
+                          ids=kernels.ptr(ids), n=np.int32(n), E=np.int32(n_experts))
     return work
 
 
@@ -118,8 +120,8 @@ def _gemv_grouped(x, weights, ids, gate_up_proj, down_proj, work, shared=None, s
     i, ct, dev = i2 // 2, CUDA_TYPE[x.dtype], x.device
     sorted_rows, items, n_items, max_items = work
     nw, cpw = warps, cols_per_warp
-    if not 1 <= nw <= 8 or cpw < 1:
-        raise ValueError(f"grouped GEMV: warps must be in 1..8 and cols_per_warp >= 1, got {nw}, {cpw}")
+    if not 1 <= nw <= MAX_WARPS or cpw < 1:
+        raise ValueError(f"grouped GEMV: warps must be in 1..{MAX_WARPS} and cols_per_warp >= 1, got {nw}, {cpw}")
     n_chunks = -(-t // GEMV_TB)
     none = np.uint64(0)
     s_parts, gu_sh, dn_sh, y_sh, gate_up_shared_slots = 0, none, none, None, 0
@@ -132,16 +134,18 @@ def _gemv_grouped(x, weights, ids, gate_up_proj, down_proj, work, shared=None, s
             gu_sh, gate_up_shared_slots = kernels.ptr(shared_w[0]), s_parts * n_chunks
     hid = torch.empty(t * k, i, dtype=x.dtype, device=dev)
     y = torch.empty(t * k, h, dtype=x.dtype, device=dev)
-    common = (kernels.ptr(sorted_rows), kernels.ptr(items), kernels.ptr(n_items), np.int32(max_items),
-              np.int32(t), np.int32(k), np.int32(h), np.int32(i), np.int32(s_parts), np.int32(cpw))
+    common = dict(sorted=kernels.ptr(sorted_rows), items=kernels.ptr(items), n_items=kernels.ptr(n_items),
+                  max_items=np.int32(max_items), T_=np.int32(t), k=np.int32(k), H=np.int32(h), I=np.int32(i),
+                  S=np.int32(s_parts), cpw=np.int32(cpw))
     hsp = none if h_sh is None else kernels.ptr(h_sh)
-    kernels.launch(MOE_GROUPED_CU.function(f"moe_gemv_grouped<{ct}, true>", dev),
-                   (max_items + gate_up_shared_slots, -(-i // (nw * cpw))), (32 * nw,),
-                   (kernels.ptr(hid), hsp, kernels.ptr(x), kernels.ptr(x), kernels.ptr(gate_up_proj), gu_sh) + common)
-    kernels.launch(MOE_GROUPED_CU.function(f"moe_gemv_grouped<{ct}, false>", dev),
-                   (max_items + (n_chunks if shared_w is not None else 0), -(-h // (nw * cpw))), (32 * nw,),
-                   (kernels.ptr(y), none if y_sh is None else kernels.ptr(y_sh), kernels.ptr(hid), hsp,
-                    kernels.ptr(down_proj), dn_sh) + common)
+    MOE_GROUPED_CU.launch(f"moe_gemv_grouped<{ct}, true>", dev,
+                          (max_items + gate_up_shared_slots, -(-i // (nw * cpw))), (32 * nw,),
+                          out=kernels.ptr(hid), out_sh=hsp, a=kernels.ptr(x), a_sh=kernels.ptr(x),
+                          w=kernels.ptr(gate_up_proj), w_sh=gu_sh, **common)
+    MOE_GROUPED_CU.launch(f"moe_gemv_grouped<{ct}, false>", dev,
+                          (max_items + (n_chunks if shared_w is not None else 0), -(-h // (nw * cpw))), (32 * nw,),
+                          out=kernels.ptr(y), out_sh=none if y_sh is None else kernels.ptr(y_sh), a=kernels.ptr(hid),
+                          a_sh=hsp, w=kernels.ptr(down_proj), w_sh=dn_sh, **common)
     return combine(y, weights, None, y_sh if shared_w is not None else shared, ids, e)
 
 
@@ -192,12 +196,12 @@ def moe_decode(x: torch.Tensor, logits: torch.Tensor, cfg: ModelConfig, gate_up_
         s_parts = shared_w[0].shape[0] // (2 * i)
         h_sh = torch.empty(t, s_parts * i, dtype=x.dtype, device=dev)
         units = s_parts * -(-t // GEMV_TB) * n_cols
-    kernels.launch(MOE_GROUPED_CU.function(f"moe_route_gemv<{ct}>", dev), (1 + units,), (ROUTER_THREADS,),
-                   (kernels.ptr(weights), kernels.ptr(ids), kernels.ptr(logits), np.int32(t), np.int32(e), np.int32(k),
-                    *router_args(cfg), kernels.ptr(work[0]), kernels.ptr(work[1]), kernels.ptr(work[2]),
-                    none if h_sh is None else kernels.ptr(h_sh), kernels.ptr(x),
-                    none if h_sh is None else kernels.ptr(shared_w[0]), np.int32(h), np.int32(i), np.int32(s_parts),
-                    np.int32(cols_per_warp), np.int32(n_cols)),
-                   shared_mem=(t * k + 3 * e) * 4)
+    MOE_GROUPED_CU.launch(f"moe_route_gemv<{ct}>", dev, (1 + units,), (ROUTER_THREADS,), shared_mem=(t * k + 3 * e) * 4,
+                          weights=kernels.ptr(weights), ids=kernels.ptr(ids), logits=kernels.ptr(logits),
+                          T_=np.int32(t), E=np.int32(e), k=np.int32(k), **router_args(cfg),
+                          sorted=kernels.ptr(work[0]), items=kernels.ptr(work[1]), n_items=kernels.ptr(work[2]),
+                          h_sh=none if h_sh is None else kernels.ptr(h_sh), x=kernels.ptr(x),
+                          w_sh=none if h_sh is None else kernels.ptr(shared_w[0]), H=np.int32(h), I=np.int32(i),
+                          S=np.int32(s_parts), cpw=np.int32(cols_per_warp), n_chunks=np.int32(n_cols))
     return _gemv_grouped(x, weights, ids, gate_up_proj, down_proj, work, shared_w=shared_w, h_sh=h_sh,
                          warps=warps, cols_per_warp=cols_per_warp)

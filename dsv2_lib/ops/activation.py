@@ -58,7 +58,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     work = i // n if vec else i  # vectors (or elements) per row
     slices = min(-(-work // THREADS), 65535)  # blocks per row (gridDim.y)
     threads = min(THREADS, max(32, -(-work // slices // 32) * 32))  # whole warps, no more than needed
-    kernel = ACTIVATION_CU.function(f"silu_and_mul<{CUDA_TYPE[x.dtype]}, {str(vec).lower()}>", x.device)
-    kernels.launch(kernel, (rows.shape[0], slices), (threads,),
-                   (kernels.ptr(out), kernels.ptr(rows), np.int32(i), np.int64(rows.stride(0))))
+    ACTIVATION_CU.launch(f"silu_and_mul<{CUDA_TYPE[x.dtype]}, {str(vec).lower()}>", x.device, (rows.shape[0], slices),
+                         (threads,), out=kernels.ptr(out), x=kernels.ptr(rows), inter=np.int32(i),
+                         stride=np.int64(rows.stride(0)))
     return out.view(*x.shape[:-1], i)

@@ -33,11 +33,15 @@ from dsv2_lib.core import kernels
 from dsv2_lib.core.dtypes import upcast
 from dsv2_lib.core.kernels import CUDA_TYPE
 
-D_NOPE, D_ROPE, D_V = 128, 64, 128  # the head sizes the kernels are built for (kernels_cu/attention_prefill.cuh)
-D_QK, BK = D_NOPE + D_ROPE, 64
-TILED_BQ = 16                        # queries per block of the tiled kernel
+D_NOPE, D_ROPE, D_V = 128, 64, 128  # the head sizes the kernels are built for
+D_QK, BK = D_NOPE + D_ROPE, 64       # the query/key head size; keys per tile of the tensor-core kernels
+ROW_PAD = 8                          # elements of padding per shared row of the tensor-core kernels (16 bytes)
+TILED_BQ, TILED_THREADS = 16, 128    # queries and threads per block of the tiled kernel
 MMA_BQ = 64                          # kernel_variant counts a launch in tiles of this many queries
 MMA_TYPES = ("__half", "__nv_bfloat16")
+# The constants of kernels_cu/attention_prefill.cuh, for every kernel file that includes it.
+HEADER_DEFINES = {"DSV2_ATTN_D_NOPE": D_NOPE, "DSV2_ATTN_D_ROPE": D_ROPE, "DSV2_ATTN_D_V": D_V, "DSV2_ATTN_BK": BK,
+                  "DSV2_ATTN_ROW_PAD": ROW_PAD}
 
 
 class MmaVariant(NamedTuple):
@@ -58,7 +62,8 @@ class MmaVariant(NamedTuple):
     def shared_bytes(self) -> int:
         """Dynamic shared memory of one block: [sQ if QS][ST K tiles][ST V tiles], padded rows."""
         nw, qs, st = self.warps, self.q_in_smem, self.stages
-        return 2 * ((16 * nw * (D_QK + 8) if qs else 0) + st * BK * (D_QK + 8) + st * BK * (D_V + 8))
+        k_row, v_row = D_QK + ROW_PAD, D_V + ROW_PAD
+        return 2 * ((16 * nw * k_row if qs else 0) + st * BK * k_row + st * BK * v_row)
 
 
 # The tensor-core variants the engine launches (AttentionTuning picks one per launch), both with two K/V
@@ -74,6 +79,7 @@ ATTENTION_CU = kernels.declare(
     "attention_prefill.cu",
     [f"attention_prefill_tiled<{t}>" for t in CUDA_TYPE.values()]
     + [m.kernel_name(t) for m in MMA_VARIANTS.values() for t in MMA_TYPES],
+    {**HEADER_DEFINES, "DSV2_ATTN_TILED_BQ": TILED_BQ, "DSV2_ATTN_TILED_THREADS": TILED_THREADS},
 )
 
 
@@ -274,9 +280,9 @@ def prefill_attention(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor,
     check_layout(q, k_nope, k_pe, v, "tiled", mma=False)
     out = torch.empty(Tq, h, D_V, dtype=q.dtype, device=q.device)
     if Tq:
-        ptrs, tail, tiles = kernel_args(out, q, k_nope, k_pe, v, cu_q, cu_k, scale, TILED_BQ)
-        kernel = ATTENTION_CU.function(f"attention_prefill_tiled<{CUDA_TYPE[q.dtype]}>", q.device)
-        kernels.launch(kernel, (tiles.shape[0], h), (128,), (*ptrs, kernels.ptr(tiles), *tail))
+        args, tiles = kernel_args(out, q, k_nope, k_pe, v, cu_q, cu_k, scale, TILED_BQ)
+        ATTENTION_CU.launch(f"attention_prefill_tiled<{CUDA_TYPE[q.dtype]}>", q.device, (tiles.shape[0], h),
+                            (TILED_THREADS,), tiles=kernels.ptr(tiles), **args)
     return out
 
 
@@ -321,17 +327,20 @@ def check_layout(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: t
 
 
 def kernel_args(out: torch.Tensor, q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
-                cu_q: list[int], cu_k: list[int], scale: float, block_q: int) -> tuple[tuple, tuple, torch.Tensor]:
-    """The arguments every version's kernel takes, around what is its own: ``(pointers, strides and scale,
-    tiles)``, the pointers ``out, q, k_nope, k_pe, v, cu_q, cu_k``, the tiles the list of
-    :func:`tile_schedule` for blocks of ``block_q`` queries on the GPU (``block_q = 0``: none needed)."""
+                cu_q: list[int], cu_k: list[int], scale: float, block_q: int) -> tuple[dict, torch.Tensor]:
+    """The arguments every version's kernel takes, by name, and the tiles: ``(args, tiles)``, ``args`` the
+    pointers ``out, q, k_nope, k_pe, v, cu_q, cu_k``, the strides and the scale (each launch adds what is its
+    own), ``tiles`` the list of :func:`tile_schedule` for blocks of ``block_q`` queries on the GPU
+    (``block_q = 0``: none needed)."""
     if block_q and q.shape[1] > 65535:
         raise ValueError(f"{q.shape[1]} heads exceed the grid's y limit")
     cu_dev, tiles = _device_plan(tuple(cu_q), tuple(cu_k), block_q, q.device)
-    strides = (q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_pe.stride(0), v.stride(0), v.stride(1))
-    ptrs = (kernels.ptr(out), kernels.ptr(q), kernels.ptr(k_nope), kernels.ptr(k_pe), kernels.ptr(v),
-            kernels.ptr(cu_dev[0]), kernels.ptr(cu_dev[1]))
-    return ptrs, (*(np.int64(s) for s in strides), np.float32(scale * np.log2(np.e))), tiles
+    args = dict(out=kernels.ptr(out), q=kernels.ptr(q), k_nope=kernels.ptr(k_nope), k_pe=kernels.ptr(k_pe),
+                v=kernels.ptr(v), cu_q=kernels.ptr(cu_dev[0]), cu_k=kernels.ptr(cu_dev[1]),
+                sq_t=np.int64(q.stride(0)), sq_h=np.int64(q.stride(1)), sk_t=np.int64(k_nope.stride(0)),
+                sk_h=np.int64(k_nope.stride(1)), spe_t=np.int64(k_pe.stride(0)), sv_t=np.int64(v.stride(0)),
+                sv_h=np.int64(v.stride(1)), scale_log2=np.float32(scale * np.log2(np.e)))
+    return args, tiles
 
 
 def launch_mma(kernel_file: kernels.KernelFile, variant: MmaVariant, q: torch.Tensor, k_nope: torch.Tensor,
@@ -342,13 +351,14 @@ def launch_mma(kernel_file: kernels.KernelFile, variant: MmaVariant, q: torch.Te
     Tq, h = q.shape[:2]
     out = torch.empty(Tq, h, D_V, dtype=q.dtype, device=q.device)
     if Tq:
-        ptrs, tail, tiles = kernel_args(out, q, k_nope, k_pe, v, cu_q, cu_k, scale, 16 * variant.warps)
-        kernel = kernel_file.function(variant.kernel_name(CUDA_TYPE[q.dtype]), q.device)
+        args, tiles = kernel_args(out, q, k_nope, k_pe, v, cu_q, cu_k, scale, 16 * variant.warps)
+        name = variant.kernel_name(CUDA_TYPE[q.dtype])
+        kernel = kernel_file.function(name, q.device)
         smem = variant.shared_bytes()
         if smem > 48 * 1024 and getattr(kernel, "max_dynamic_shared_size_bytes", 0) < smem:
             kernel.max_dynamic_shared_size_bytes = smem  # above 48 KB is opt-in
-        kernels.launch(kernel, (tiles.shape[0], h), (32 * variant.warps,), (*ptrs, kernels.ptr(tiles), *tail),
-                       shared_mem=smem)
+        kernel_file.launch(name, q.device, (tiles.shape[0], h), (32 * variant.warps,), shared_mem=smem,
+                           tiles=kernels.ptr(tiles), **args)
     return out
 
 

@@ -22,9 +22,10 @@ import torch
 from dsv2_lib.core import kernels
 from dsv2_lib.core.kernels import CUDA_TYPE
 
-WARPS = 4  # kernels_cu/cache.cu: cache_write::WARPS, tokens (warps) per block
+WARPS = 4  # tokens (warps) per block (cache.cu's cache_write::WARPS)
 CACHE_CU = kernels.declare(
-    "cache.cu", [f"write_cache_rows<{t}, {v}>" for t in CUDA_TYPE.values() for v in ("true", "false")]
+    "cache.cu", [f"write_cache_rows<{t}, {v}>" for t in CUDA_TYPE.values() for v in ("true", "false")],
+    {"DSV2_CACHE_WRITE_WARPS": WARPS},
 )
 
 
@@ -76,7 +77,8 @@ def write_cache_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torc
     n = 16 // cache.element_size()
     vec = (dim % n == 0 and cache.stride(0) % n == 0 and rows.stride(0) % n == 0
            and kernels.aligned16(cache, rows))
-    kernel = CACHE_CU.function(f"write_cache_rows<{CUDA_TYPE[cache.dtype]}, {str(vec).lower()}>", cache.device)
-    kernels.launch(kernel, (-(-T // WARPS),), (WARPS * 32,),
-                   (kernels.ptr(cache), kernels.ptr(rows), kernels.ptr(slot_mapping), np.int32(T), np.int32(dim),
-                    np.int64(rows.stride(0)), np.int64(cache.stride(0)), np.int64(num_rows)))
+    CACHE_CU.launch(f"write_cache_rows<{CUDA_TYPE[cache.dtype]}, {str(vec).lower()}>", cache.device,
+                    (-(-T // WARPS),), (WARPS * 32,),
+                    cache=kernels.ptr(cache), rows=kernels.ptr(rows), slot_mapping=kernels.ptr(slot_mapping),
+                    num_tokens=np.int32(T), dim=np.int32(dim), row_stride=np.int64(rows.stride(0)),
+                    cache_stride=np.int64(cache.stride(0)), num_rows=np.int64(num_rows))

@@ -80,12 +80,12 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, check: bool = True) -> to
         bad_pos.fill_(NO_BAD_POSITION)  # a tiny memset on the current stream, ordered before the kernel
     n = 16 // weight.element_size()
     vec = hidden % n == 0 and weight.stride(0) % n == 0 and kernels.aligned16(out, weight)
-    kernel = EMBEDDING_CU.function(f"embedding<{CUDA_TYPE[weight.dtype]}, {str(vec).lower()}>", weight.device)
     chunks = hidden // n if vec else hidden
     threads = min(MAX_THREADS, max(32, -(-chunks // 32) * 32))
-    kernels.launch(kernel, (flat.shape[0],), (threads,),
-                   (kernels.ptr(out), kernels.ptr(flat), kernels.ptr(weight), kernels.ptr(bad_pos),
-                    np.int32(hidden), np.int64(weight.stride(0)), np.int64(vocab)))
+    EMBEDDING_CU.launch(f"embedding<{CUDA_TYPE[weight.dtype]}, {str(vec).lower()}>", weight.device, (flat.shape[0],),
+                        (threads,), out=kernels.ptr(out), ids=kernels.ptr(flat), weight=kernels.ptr(weight),
+                        bad_pos=kernels.ptr(bad_pos), hidden=np.int32(hidden), stride=np.int64(weight.stride(0)),
+                        vocab=np.int64(vocab))
     if check:
         pos = int(bad_pos.item())  # waits for the kernel
         if pos != NO_BAD_POSITION:

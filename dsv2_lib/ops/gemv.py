@@ -19,9 +19,9 @@ from dsv2_lib.core.kernels import CUDA_TYPE
 
 GEMV_MAX_TOKENS = 2  # tokens (rows of x) up to which the engine runs the GEMV; cuBLAS beyond (benchmarks/bench_gemv.py)
 TOKENS_COMPILED = 4  # the kernel is compiled for 1..4 rows, so that the benchmark can time it past the threshold
-WARPS = 4  # kernels_cu/gemv.cu: gemv::WARPS, two output columns each
+WARPS = 4  # warps per block, two output columns each (gemv.cu's gemv::WARPS)
 GEMV_CU = kernels.declare("gemv.cu", [f"linear_gemv<{t}, {n}>" for t in ("__half", "__nv_bfloat16")
-                                      for n in range(1, TOKENS_COMPILED + 1)])
+                                      for n in range(1, TOKENS_COMPILED + 1)], {"DSV2_GEMV_WARPS": WARPS})
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, max_tokens: int = GEMV_MAX_TOKENS) -> torch.Tensor:
@@ -33,10 +33,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, max_tokens: int = GEMV_MAX_TOK
     K, N = x.shape[-1], weight.shape[0]
     rows = x.reshape(-1, K)  # a view: gemv_applies checked that the rows are strided views of x
     out = torch.empty(rows.shape[0], N, dtype=x.dtype, device=x.device)
-    kernel = GEMV_CU.function(f"linear_gemv<{CUDA_TYPE[x.dtype]}, {rows.shape[0]}>", x.device)
-    kernels.launch(kernel, (-(-N // (2 * WARPS)),), (32 * WARPS,),
-                   (kernels.ptr(out), kernels.ptr(rows), kernels.ptr(weight), np.int32(N), np.int32(K),
-                    np.int64(rows.stride(0)), np.int64(out.stride(0))))
+    GEMV_CU.launch(f"linear_gemv<{CUDA_TYPE[x.dtype]}, {rows.shape[0]}>", x.device, (-(-N // (2 * WARPS)),),
+                   (32 * WARPS,), y=kernels.ptr(out), x=kernels.ptr(rows), w=kernels.ptr(weight), N=np.int32(N),
+                   K=np.int32(K), x_stride=np.int64(rows.stride(0)), y_stride=np.int64(out.stride(0)))
     return out.view(*x.shape[:-1], N)
 
 

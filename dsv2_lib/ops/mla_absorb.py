@@ -28,7 +28,10 @@ ABSORB_MAX_TOKENS = 4
 QUERY_COLS, QUERY_THREADS = 128, 256  # q_lat columns and threads per block of mla_absorb_query
 OUT_WARPS = 4  # warps per block of mla_absorb_output, two rows of W_v each
 MLA_ABSORB_CU = kernels.declare(
-    "mla_absorb.cu", [f"{k}<{t}>" for k in ("mla_absorb_query", "mla_absorb_output") for t in ("__half", "__nv_bfloat16")]
+    "mla_absorb.cu",
+    [f"{k}<{t}>" for k in ("mla_absorb_query", "mla_absorb_output") for t in ("__half", "__nv_bfloat16")],
+    {"DSV2_ABSORB_QUERY_COLS": QUERY_COLS, "DSV2_ABSORB_QUERY_THREADS": QUERY_THREADS,
+     "DSV2_ABSORB_OUT_WARPS": OUT_WARPS},
 )
 
 
@@ -53,10 +56,13 @@ def absorbed_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_k: torch.Tensor, 
     (t, h, nope), (c, r) = q_nope.shape, (w_k.shape[2], q_pe.shape[2])
     query = torch.empty(t, h, c + r, dtype=dtype, device=q_nope.device)
     if t:
-        kernels.launch(MLA_ABSORB_CU.function(f"mla_absorb_query<{CUDA_TYPE[dtype]}>", q_nope.device), (h, c // QUERY_COLS, t),
-                       (QUERY_THREADS,),
-                       (kernels.ptr(query), kernels.ptr(q_nope), kernels.ptr(q_pe), kernels.ptr(w_k), np.int32(nope), np.int32(c), np.int32(r), np.int64(q_nope.stride(0)), np.int64(q_nope.stride(1)),
-                        np.int64(q_pe.stride(0)), np.int64(q_pe.stride(1)), np.int64(w_k.stride(0))))
+        MLA_ABSORB_CU.launch(f"mla_absorb_query<{CUDA_TYPE[dtype]}>", q_nope.device, (h, c // QUERY_COLS, t),
+                             (QUERY_THREADS,),
+                             query=kernels.ptr(query), q_nope=kernels.ptr(q_nope), q_pe=kernels.ptr(q_pe),
+                             w_k=kernels.ptr(w_k), NOPE=np.int32(nope), C=np.int32(c), R=np.int32(r),
+                             nope_t=np.int64(q_nope.stride(0)), nope_h=np.int64(q_nope.stride(1)),
+                             pe_t=np.int64(q_pe.stride(0)), pe_h=np.int64(q_pe.stride(1)),
+                             w_head_stride=np.int64(w_k.stride(0)))
     return query
 
 
@@ -68,10 +74,9 @@ def absorbed_output(o: torch.Tensor, w_v: torch.Tensor, dtype: torch.dtype) -> t
     (t, h, c), v = o.shape, w_v.shape[1]
     out = torch.empty(t, h, v, dtype=dtype, device=o.device)
     if t:
-        kernels.launch(MLA_ABSORB_CU.function(f"mla_absorb_output<{CUDA_TYPE[dtype]}>", o.device),
-                       (h, -(-v // (2 * OUT_WARPS)), t), (32 * OUT_WARPS,),
-                       (kernels.ptr(out), kernels.ptr(o), kernels.ptr(w_v), np.int32(v), np.int32(c),
-                        np.int64(w_v.stride(0))))
+        MLA_ABSORB_CU.launch(f"mla_absorb_output<{CUDA_TYPE[dtype]}>", o.device, (h, -(-v // (2 * OUT_WARPS)), t),
+                             (32 * OUT_WARPS,), out=kernels.ptr(out), o=kernels.ptr(o), w_v=kernels.ptr(w_v),
+                             V=np.int32(v), C=np.int32(c), w_head_stride=np.int64(w_v.stride(0)))
     return out
 
 
@@ -100,7 +105,7 @@ def _output_kernel_applies(o, w_v, dtype) -> bool:
     rows as :func:`_rows_contiguous`."""
     if not (o.dim() == w_v.dim() == 3 and o.is_cuda and kernels.use_kernels(o)):
         return False
-    (t, h, c), (hw, v, cw) = o.shape, w_v.shape
+    (t, h, c), (hw, _, cw) = o.shape, w_v.shape
     return dtype in (torch.float16, torch.bfloat16) and w_v.dtype == dtype and o.dtype == torch.float32 \
         and o.device == w_v.device and t <= ABSORB_MAX_TOKENS and (hw, cw) == (h, c) and c % 8 == 0 \
         and o.is_contiguous() and kernels.aligned16(o) and _rows_contiguous(w_v)

@@ -30,16 +30,22 @@ from dsv2_lib.core import kernels
 from dsv2_lib.core.dtypes import upcast
 from dsv2_lib.core.kernels import CUDA_TYPE
 
-HEADS_PER_BLOCK, WARPS, TILE = 16, 4, 32  # kernels_cu/mla_decode.cuh: mla::HEADS, WARPS, TILE
-SS_PITCH = TILE // 8 * 4 + 4  # mla::SS_PITCH: floats per lane of the kernel's partial-score exchange
+HEADS_PER_BLOCK, WARPS, TILE = 16, 4, 32  # heads per block (the MMA's M), warps per block, cache rows per tile
+ROW_PAD = 8  # elements of padding per staged cache row (16 bytes: an ldmatrix's 8 rows in 8 bank groups)
+SS_PITCH = TILE // 8 * 4 + 4  # floats per lane of the kernel's partial-score exchange: 16 + 4 of padding
 STAGES = (2, 3, 4, 5)  # pipeline depths compiled (STAGES - 1 tiles of 32 rows in flight per block)
 SHAPES = ((512, 64), (64, 16))  # (kv_lora_rank, rope dim) compiled: DeepSeek-V2(-Lite), the tiny model
-COMBINE_WARPS = 8  # kernels_cu/mla_decode.cuh: block of mla_decode_combine_balanced
+COMBINE_WARPS = 8  # warps per block of the combines (merge_partials)
 COMBINE_WIDTHS = (2, 4, 8, 16)  # floats per lane of mla_decode_combine_balanced<V>: 64 .. 512 columns a block
+SCHEDULE_THREADS = 1024  # the one block of mla_decode_schedule: 32 warps
+# The constants of kernels_cu/mla_decode.cuh, for every kernel file that includes it.
+HEADER_DEFINES = {"DSV2_MLA_HEADS": HEADS_PER_BLOCK, "DSV2_MLA_WARPS": WARPS, "DSV2_MLA_TILE": TILE,
+                  "DSV2_MLA_ROW_PAD": ROW_PAD, "DSV2_MLA_SS_PITCH": SS_PITCH, "DSV2_MLA_COMBINE_WARPS": COMBINE_WARPS}
 MLA_DECODE_CU = kernels.declare(
     "mla_decode.cu",
-    [f"mla_decode_balanced<{t}, {dl}, {dr}, {s}, true>" for t in ("__half", "__nv_bfloat16") for dl, dr in SHAPES
+    [f"mla_decode_balanced<{t}, {dl}, {dr}, {s}>" for t in ("__half", "__nv_bfloat16") for dl, dr in SHAPES
      for s in STAGES] + ["mla_decode_schedule"] + [f"mla_decode_combine_balanced<{v}>" for v in COMBINE_WIDTHS],
+    {**HEADER_DEFINES, "DSV2_MLA_SCHEDULE_THREADS": SCHEDULE_THREADS},
 )
 
 
@@ -178,9 +184,9 @@ def mla_decode_schedule(lengths: torch.Tensor, max_length: int, workers: int,
     if workers < 1:
         raise ValueError(f"mla_decode_schedule: workers must be >= 1, got {workers}")
     sched = torch.empty(B + 2, dtype=torch.int32, device=lengths.device)
-    kernels.launch(MLA_DECODE_CU.function("mla_decode_schedule", lengths.device), (1,), (1024,),
-                   (kernels.ptr(sched), kernels.ptr(lengths), np.uint64(0), np.int32(B), np.int32(0),
-                    np.int32(max_length), np.int32(workers), np.int32(min_tiles)))
+    MLA_DECODE_CU.launch("mla_decode_schedule", lengths.device, (1,), (SCHEDULE_THREADS,), sched=kernels.ptr(sched),
+                         lengths=kernels.ptr(lengths), B=np.int32(B), max_length=np.int32(max_length),
+                         workers=np.int32(workers), min_tiles=np.int32(min_tiles))
     return sched
 
 
@@ -219,7 +225,7 @@ def _launch_balanced(query, cache, lengths_t, max_length, scale, kv_lora_rank, o
     out = _out_buffer(out, B, H, kv_lora_rank, cache.device)
     if B == 0 or H == 0:
         return out
-    name = f"mla_decode_balanced<{CUDA_TYPE[cache.dtype]}, {kv_lora_rank}, {D - kv_lora_rank}, {tuning.stages}, true>"
+    name = f"mla_decode_balanced<{CUDA_TYPE[cache.dtype]}, {kv_lora_rank}, {D - kv_lora_rank}, {tuning.stages}>"
     kernel = MLA_DECODE_CU.function(name, cache.device)
     smem = _shared_bytes(tuning.stages, D, cache.dtype)
     groups = -(-H // HEADS_PER_BLOCK)
@@ -235,17 +241,19 @@ def _launch_balanced(query, cache, lengths_t, max_length, scale, kv_lora_rank, o
         raise ValueError(f"mla_decode workspace: {workspace.numel()} values, the balanced schedule needs {need} "
                          f"(batch {B}, {H} heads, {workers} workers, kv_lora_rank {kv_lora_rank}), 16-byte aligned")
     o_part, lse = workspace[: slots * H * kv_lora_rank], workspace[slots * H * kv_lora_rank : need]
-    kernels.launch(kernel, (workers, 1, groups), (WARPS * 32,),
-                   (kernels.ptr(o_part), kernels.ptr(lse), kernels.ptr(out), kernels.ptr(query), kernels.ptr(cache),
-                    np.uint64(0), kernels.ptr(lengths_t), kernels.ptr(sched), np.int32(B), np.int32(H), np.int32(0),
-                    np.int32(0), np.int32(max_length), np.float32(scale * 1.4426950408889634), kernels.ptr(table),
-                    np.int32(table.shape[1]), np.int32(block_size), np.int64(cache.shape[0])), shared_mem=smem)
+    MLA_DECODE_CU.launch(name, cache.device, (workers, 1, groups), (WARPS * 32,), shared_mem=smem,
+                         o_part=kernels.ptr(o_part), lse_part=kernels.ptr(lse), out=kernels.ptr(out),
+                         q=kernels.ptr(query), cache=kernels.ptr(cache), lengths=kernels.ptr(lengths_t),
+                         sched=kernels.ptr(sched), B=np.int32(B), H=np.int32(H), max_length=np.int32(max_length),
+                         scale_log2=np.float32(scale * 1.4426950408889634), block_table=kernels.ptr(table),
+                         table_width=np.int32(table.shape[1]), block_size=np.int32(block_size),
+                         num_rows=np.int64(cache.shape[0]))
     v = tuning.combine_width or combine_width(B * H, kv_lora_rank, _sms(cache.device))
     if kv_lora_rank % v:
         raise ValueError(f"mla_decode_paged: combine width {v} does not divide kv_lora_rank {kv_lora_rank}")
-    kernels.launch(MLA_DECODE_CU.function(f"mla_decode_combine_balanced<{v}>", cache.device),
-                   (-(-kv_lora_rank // (32 * v)), H, B), (COMBINE_WARPS * 32,),
-                   (kernels.ptr(out), kernels.ptr(o_part), kernels.ptr(lse), kernels.ptr(sched), np.int32(kv_lora_rank)))
+    MLA_DECODE_CU.launch(f"mla_decode_combine_balanced<{v}>", cache.device, (-(-kv_lora_rank // (32 * v)), H, B),
+                         (COMBINE_WARPS * 32,), out=kernels.ptr(out), o_part=kernels.ptr(o_part), lse=kernels.ptr(lse),
+                         sched=kernels.ptr(sched), dl=np.int32(kv_lora_rank))
     return out
 
 
@@ -329,8 +337,8 @@ def _out_buffer(out: torch.Tensor | None, B: int, H: int, kv_lora_rank: int, dev
 
 
 def _shared_bytes(stages: int, D: int, dtype: torch.dtype) -> int:
-    """Dynamic shared memory of ``attend_rows``: row buffers (pitch D + 8) and the partial scores."""
-    return stages * TILE * (D + 8) * dtype.itemsize + WARPS * 32 * SS_PITCH * 4
+    """Dynamic shared memory of ``attend_rows``: row buffers (pitch D + ROW_PAD) and the partial scores."""
+    return stages * TILE * (D + ROW_PAD) * dtype.itemsize + WARPS * 32 * SS_PITCH * 4
 
 
 def _sms(device: torch.device) -> int:

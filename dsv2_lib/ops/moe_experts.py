@@ -29,10 +29,16 @@ from dsv2_lib.core.dtypes import upcast
 from dsv2_lib.core.kernels import CUDA_TYPE
 from dsv2_lib.ops.activation import silu_and_mul
 from dsv2_lib.ops.moe_routing import (
+    DOWN_COLS,
     GATE_UP_COLS,
+    GEMM_BN,
+    GEMM_WARPS,
     GEMV_THREADS,
     MAX_EXPERTS,
     MOE_CU,
+    SKINNY_ROWS,
+    SKINNY_WARPS,
+    TILE_M,
     moe_align,
     moe_align_reference,
     route_few,
@@ -40,11 +46,6 @@ from dsv2_lib.ops.moe_routing import (
 )
 
 GROUPED_MM_ALIGN = 8         # rows per expert segment are padded to this for torch._grouped_mm
-TILE_M = 64                  # rows per tile of our grouped GEMM (BM in moe.cu)
-SKINNY_ROWS = 8              # sorted rows (tokens) per tile of the skinny GEMM (moe.cu)
-SKINNY_WARPS = 4             # warps per block of the skinny GEMM, 16 output columns each (moe.cu)
-GEMM_N = {"gate_up": 64, "down": 128}  # output columns per block (BN/2 and BN in moe.cu)
-DOWN_COLS = 4                # output columns per block of the down GEMV + combine, all of a token's choices (moe.cu)
 COMBINE_THREADS = 64         # threads per block of moe_combine (16 bytes of columns each)
 
 
@@ -174,10 +175,10 @@ def gemv_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, ids: torch.Tensor,
     the shared experts' parts)."""
     (e, i2, h), (t, k) = gate_up_proj.shape, ids.shape
     hid = torch.empty(t * k, i2 // 2, dtype=x.dtype, device=x.device) if out is None else out
-    kernels.launch(MOE_CU.function(f"moe_gemv_gate_up<{CUDA_TYPE[x.dtype]}>", x.device),
-                   (t * k, -(-(i2 // 2) // (GEMV_THREADS // 32 * GATE_UP_COLS))), (GEMV_THREADS,),
-                   (kernels.ptr(hid), kernels.ptr(x), kernels.ptr(gate_up_proj), kernels.ptr(ids), np.int32(k), np.int32(e),
-                    np.int32(h), np.int32(i2 // 2)))
+    MOE_CU.launch(f"moe_gemv_gate_up<{CUDA_TYPE[x.dtype]}>", x.device,
+                  (t * k, -(-(i2 // 2) // (GEMV_THREADS // 32 * GATE_UP_COLS))), (GEMV_THREADS,),
+                  h=kernels.ptr(hid), x=kernels.ptr(x), w_all=kernels.ptr(gate_up_proj), ids=kernels.ptr(ids),
+                  topk=np.int32(k), E=np.int32(e), H=np.int32(h), I=np.int32(i2 // 2))
     return hid
 
 
@@ -192,11 +193,11 @@ def gemv_down_combine(hid: torch.Tensor, down_proj: torch.Tensor, ids: torch.Ten
     (e, h, i), (t, k) = down_proj.shape, ids.shape
     parts = 0 if shared_down is None else shared_down.shape[1] // i
     out = torch.empty(t, h, dtype=hid.dtype, device=hid.device)
-    kernels.launch(MOE_CU.function(f"moe_gemv_down_combine<{CUDA_TYPE[hid.dtype]}>", hid.device), (t, -(-h // DOWN_COLS)),
-                   (GEMV_THREADS,), (kernels.ptr(out), kernels.ptr(hid), kernels.ptr(down_proj), kernels.ptr(ids),
-                                     kernels.ptr(weights), _ptr_or_null(shared), _ptr_or_null(shared_down), np.int32(k),
-                                     np.int32(e), np.int32(h), np.int32(i), np.int32(parts)),
-                   shared_mem=(k + parts) * DOWN_COLS * 4)
+    MOE_CU.launch(f"moe_gemv_down_combine<{CUDA_TYPE[hid.dtype]}>", hid.device, (t, -(-h // DOWN_COLS)),
+                  (GEMV_THREADS,), shared_mem=(k + parts) * DOWN_COLS * 4,
+                  out=kernels.ptr(out), h=kernels.ptr(hid), w_all=kernels.ptr(down_proj), ids=kernels.ptr(ids),
+                  weights=kernels.ptr(weights), shared=_ptr_or_null(shared), sh_down=_ptr_or_null(shared_down),
+                  topk=np.int32(k), E=np.int32(e), H=np.int32(h), I=np.int32(i), P=np.int32(parts))
     return out
 
 
@@ -216,15 +217,17 @@ def _tile_experts(x, ids, gate_up_proj, down_proj, kernel: str, rows: int, cols:
     y = torch.empty(tiles * rows, h, dtype=x.dtype, device=x.device)
     for name, out, a, w, n_out, kdim, n_cols in (("true", hid, x, gate_up_proj, i, h, cols[0]),
                                                  ("false", y, hid, down_proj, h, i, cols[1])):
-        kernels.launch(MOE_CU.function(f"{kernel}<{ct}, {name}>", x.device), (tiles, -(-n_out // n_cols)), (32 * warps,),
-                       (kernels.ptr(out), kernels.ptr(a), kernels.ptr(w), kernels.ptr(sorted_rows),
-                        kernels.ptr(tile_expert), np.int32(n_out), np.int32(kdim), np.int32(k)))
+        MOE_CU.launch(f"{kernel}<{ct}, {name}>", x.device, (tiles, -(-n_out // n_cols)), (32 * warps,),
+                      out=kernels.ptr(out), a_src=kernels.ptr(a), w_all=kernels.ptr(w),
+                      sorted_rows=kernels.ptr(sorted_rows), tile_expert=kernels.ptr(tile_expert), n_out=np.int32(n_out),
+                      K=np.int32(kdim), topk=np.int32(k))
     return y, slot_of
 
 
 def _mma_experts(x, ids, gate_up_proj, down_proj):
-    """Our grouped tensor-core GEMMs over the TILE_M-padded sorted rows: (y [cap, H], slot_of)."""
-    return _tile_experts(x, ids, gate_up_proj, down_proj, "moe_gemm", TILE_M, (GEMM_N["gate_up"], GEMM_N["down"]), 4)
+    """Our grouped tensor-core GEMMs over the TILE_M-padded sorted rows: (y [cap, H], slot_of). A block's GEMM_BN
+    weight rows are GEMM_BN / 2 gate|up column pairs, or GEMM_BN down columns."""
+    return _tile_experts(x, ids, gate_up_proj, down_proj, "moe_gemm", TILE_M, (GEMM_BN // 2, GEMM_BN), GEMM_WARPS)
 
 
 def skinny_experts(x, ids, gate_up_proj, down_proj):
@@ -256,10 +259,10 @@ def combine(y: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor | None
     if t == 0 or h == 0:
         return out
     cols = COMBINE_THREADS * 16 // y.element_size()
-    kernels.launch(MOE_CU.function(f"moe_combine<{CUDA_TYPE[y.dtype]}>", y.device), (t, -(-h // cols)),
-                   (COMBINE_THREADS,),
-                   (kernels.ptr(out), kernels.ptr(y), kernels.ptr(weights), _ptr_or_null(slot_of),
-                    _ptr_or_null(shared), np.int32(k), np.int32(h), _ptr_or_null(ids), np.int32(n_experts)))
+    MOE_CU.launch(f"moe_combine<{CUDA_TYPE[y.dtype]}>", y.device, (t, -(-h // cols)), (COMBINE_THREADS,),
+                  out=kernels.ptr(out), y=kernels.ptr(y), weights=kernels.ptr(weights), slot_of=_ptr_or_null(slot_of),
+                  shared=_ptr_or_null(shared), topk=np.int32(k), H=np.int32(h), ids=_ptr_or_null(ids),
+                  E=np.int32(n_experts))
     return out
 
 

@@ -19,12 +19,21 @@ from dsv2_lib.core.config import ModelConfig
 from dsv2_lib.core.dtypes import upcast
 from dsv2_lib.core.kernels import CUDA_TYPE
 
-MAX_EXPERTS = 256            # 32 lanes x ROUTER_PER_LANE (moe_common.cuh); also bounds moe_align's shared memory
+ROUTER_PER_LANE = 8          # experts per lane of the one-warp router (moe_common.cuh)
+MAX_EXPERTS = 32 * ROUTER_PER_LANE  # 256; also bounds moe_align's shared memory
 MAX_TOPK = 32                # one lane per pick in the router
 ROUTER_WARPS = 4             # warps (tokens) per block of topk_softmax
 ALIGN_THREADS = 1024         # moe_align runs as one block of 32 warps
-GEMV_THREADS = 128           # threads per block of the per-choice GEMV kernels and moe_route_few (moe.cu)
-GATE_UP_COLS = 2             # output columns per warp of the per-choice gate|up GEMV (moe.cu)
+# The block geometry of moe.cu's kernels (moe_experts.py launches most of them).
+GEMV_WARPS = 4               # warps per block of the per-choice GEMV kernels and moe_route_few
+GEMV_THREADS = 32 * GEMV_WARPS
+GATE_UP_COLS = 2             # output columns per warp of the per-choice gate|up GEMV
+DOWN_COLS = 4                # output columns per block of the down GEMV + combine (all of a token's choices)
+TILE_M, GEMM_BN, GEMM_WARPS = 64, 128, 4  # grouped GEMM: rows per tile, weight rows per block, warps (BM, BN)
+SKINNY_ROWS = 8              # sorted rows (tokens) per tile of the skinny GEMM
+SKINNY_WARPS = 4             # warps per block of the skinny GEMM, 16 output columns each
+# The constants of kernels_cu/moe_common.cuh, for every kernel file that includes it.
+HEADER_DEFINES = {"DSV2_MOE_ROUTER_PER_LANE": ROUTER_PER_LANE}
 
 MOE_CU = kernels.declare(
     "moe.cu",
@@ -33,6 +42,9 @@ MOE_CU = kernels.declare(
     + [f"{k}<{t}>" for k in ("moe_route_few", "moe_gemv_gate_up", "moe_gemv_down_combine", "moe_combine")
        for t in CUDA_TYPE.values()]
     + [f"moe_skinny<{t}, {g}>" for t in ("__nv_bfloat16", "__half") for g in ("true", "false")],
+    {**HEADER_DEFINES, "DSV2_MOE_GEMV_WARPS": GEMV_WARPS, "DSV2_MOE_GATE_UP_COLS": GATE_UP_COLS,
+     "DSV2_MOE_DOWN_COLS": DOWN_COLS, "DSV2_MOE_GEMM_BM": TILE_M, "DSV2_MOE_GEMM_BN": GEMM_BN,
+     "DSV2_MOE_GEMM_WARPS": GEMM_WARPS, "DSV2_MOE_SKINNY_ROWS": SKINNY_ROWS, "DSV2_MOE_SKINNY_WARPS": SKINNY_WARPS},
 )
 
 
@@ -118,11 +130,12 @@ def router_fits(cfg: ModelConfig) -> bool:
     return cfg.topk_method != "group_limited_greedy" or (0 < g <= 32 and e % g == 0 and 0 < tg <= g and k <= tg * (e // g))
 
 
-def router_args(cfg: ModelConfig) -> tuple:
-    """(n_group, topk_group, renorm, scale) as the router kernels take them (groups 0, 0: greedy)."""
+def router_args(cfg: ModelConfig) -> dict:
+    """The router kernels' ``n_group, topk_group, renorm, scale`` by name (groups 0, 0: greedy)."""
     k = cfg.num_experts_per_tok
     groups = (cfg.n_group, cfg.topk_group) if cfg.topk_method == "group_limited_greedy" else (0, 0)
-    return (*map(np.int32, groups), np.int32(k > 1 and cfg.norm_topk_prob), np.float32(cfg.routed_scaling_factor))
+    return dict(n_group=np.int32(groups[0]), topk_group=np.int32(groups[1]),
+                renorm=np.int32(k > 1 and cfg.norm_topk_prob), scale=np.float32(cfg.routed_scaling_factor))
 
 
 def topk_softmax(logits: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,9 +154,9 @@ def topk_softmax(logits: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, 
     weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
     if t:
-        kernels.launch(MOE_CU.function("topk_softmax", logits.device), (-(-t // ROUTER_WARPS),), (32 * ROUTER_WARPS,),
-                       (kernels.ptr(weights), kernels.ptr(ids), kernels.ptr(logits), np.int32(t), np.int32(e),
-                        np.int32(k), *router_args(cfg)))
+        MOE_CU.launch("topk_softmax", logits.device, (-(-t // ROUTER_WARPS),), (32 * ROUTER_WARPS,),
+                      weights=kernels.ptr(weights), ids=kernels.ptr(ids), logits=kernels.ptr(logits), T=np.int32(t),
+                      E=np.int32(e), k=np.int32(k), **router_args(cfg))
     return weights, ids
 
 
@@ -165,11 +178,12 @@ def moe_align(ids: torch.Tensor, n_experts: int, block: int):
     slot_of = torch.empty(n, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
     offsets = torch.empty(n_experts + 1, dtype=torch.int32, device=dev)
-    kernels.launch(MOE_CU.function("moe_align", dev), (1,), (ALIGN_THREADS,),
-                   (kernels.ptr(sorted_rows), kernels.ptr(slot_of), kernels.ptr(tile_expert), kernels.ptr(offsets),
-                    kernels.ptr(ids), np.int32(n), np.int32(n_experts), np.int32(block), np.int32(max_tiles),
-                    np.int32(max_tiles * block)),
-                   shared_mem=(32 * n_experts + n_experts + 1) * 4)
+    MOE_CU.launch("moe_align", dev, (1,), (ALIGN_THREADS,),
+                  shared_mem=(ALIGN_THREADS // 32 * n_experts + n_experts + 1) * 4,  # cnt [warps][E], seg [E + 1]
+                  sorted_rows=kernels.ptr(sorted_rows), slot_of=kernels.ptr(slot_of),
+                  tile_expert=kernels.ptr(tile_expert), offsets=kernels.ptr(offsets), ids=kernels.ptr(ids),
+                  n=np.int32(n), E=np.int32(n_experts), block=np.int32(block), max_tiles=np.int32(max_tiles),
+                  cap=np.int32(max_tiles * block))
     return sorted_rows, slot_of, tile_expert, offsets
 
 
@@ -210,9 +224,10 @@ def route_few(x: torch.Tensor, gate_w: torch.Tensor, cfg: ModelConfig, shared_ga
     logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
     hid = torch.empty(t * (k + parts), i, dtype=x.dtype, device=x.device)
     blocks = t * -(-e // (GEMV_THREADS // 32)) + t * parts * -(-i // (GEMV_THREADS // 32 * GATE_UP_COLS))
-    kernels.launch(MOE_CU.function(f"moe_route_few<{CUDA_TYPE[x.dtype]}>", x.device), (blocks,), (GEMV_THREADS,),
-                   (kernels.ptr(weights), kernels.ptr(ids), kernels.ptr(logits), kernels.ptr(x), kernels.ptr(gate_w),
-                    np.int32(t), np.int32(e), np.int32(h), np.int32(k), *router_args(cfg),
-                    kernels.ptr(_arrival_counters(t, x.device)), kernels.ptr(hid),
-                    np.uint64(0) if shared_gate_up is None else kernels.ptr(shared_gate_up), np.int32(i), np.int32(parts)))
+    MOE_CU.launch(f"moe_route_few<{CUDA_TYPE[x.dtype]}>", x.device, (blocks,), (GEMV_THREADS,),
+                  weights=kernels.ptr(weights), ids=kernels.ptr(ids), logits=kernels.ptr(logits), x=kernels.ptr(x),
+                  gate_w=kernels.ptr(gate_w), T_=np.int32(t), E=np.int32(e), H=np.int32(h), topk=np.int32(k),
+                  **router_args(cfg), arrivals=kernels.ptr(_arrival_counters(t, x.device)), h=kernels.ptr(hid),
+                  sh_gate_up=np.uint64(0) if shared_gate_up is None else kernels.ptr(shared_gate_up), I=np.int32(i),
+                  P=np.int32(parts))
     return weights, ids, logits, hid

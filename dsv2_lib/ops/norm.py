@@ -15,10 +15,11 @@ from dsv2_lib.core import kernels
 from dsv2_lib.core.dtypes import empty_param, upcast
 from dsv2_lib.core.kernels import CUDA_TYPE
 
-ROW_VECS = 4  # 16-byte vectors each thread keeps in registers (kernels_cu/rmsnorm.cu)
+ROW_VECS = 4  # 16-byte vectors each thread keeps in registers (rmsnorm.cu's ROW_VECS)
 RMSNORM_CU = kernels.declare(
     "rmsnorm.cu",
     [f"{k}<{t}, {v}>" for k in ("rms_norm", "fused_add_rms_norm") for t in CUDA_TYPE.values() for v in ("true", "false")],
+    {"DSV2_RMSNORM_ROW_VECS": ROW_VECS},
 )
 
 
@@ -60,10 +61,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, in_place: bool =
     kernels.check(rows, "rms_norm input", contiguous=False)
     out = rows if in_place else torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     vec = _vectorizable(rows.stride(0), x.dtype) and _use_vectors(d, x.dtype, rows, weight)
-    kernel = RMSNORM_CU.function(f"rms_norm<{CUDA_TYPE[x.dtype]}, {str(vec).lower()}>", x.device)
-    kernels.launch(kernel, (rows.shape[0],), (_threads(d, x.dtype, vec),),
-                   (kernels.ptr(out), kernels.ptr(rows), kernels.ptr(weight), np.int32(d),
-                    np.int64(rows.stride(0)), np.int64(out.stride(0)), np.float32(eps)))
+    RMSNORM_CU.launch(f"rms_norm<{CUDA_TYPE[x.dtype]}, {str(vec).lower()}>", x.device, (rows.shape[0],),
+                      (_threads(d, x.dtype, vec),),
+                      out=kernels.ptr(out), x=kernels.ptr(rows), w=kernels.ptr(weight), dim=np.int32(d),
+                      stride=np.int64(rows.stride(0)), out_stride=np.int64(out.stride(0)), eps=np.float32(eps))
     return x if in_place else out.view(x.shape)
 
 
@@ -94,10 +95,10 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         raise ValueError("fused_add_rms_norm: x and residual are the same tensor; the kernel reads x while writing residual")
     out = torch.empty_like(x)
     vec = _use_vectors(d, x.dtype, x, residual, weight)
-    kernel = RMSNORM_CU.function(f"fused_add_rms_norm<{CUDA_TYPE[x.dtype]}, {str(vec).lower()}>", x.device)
-    kernels.launch(kernel, (x.numel() // d,), (_threads(d, x.dtype, vec),),
-                   (kernels.ptr(out), kernels.ptr(residual), kernels.ptr(x), kernels.ptr(weight),
-                    np.int32(d), np.float32(eps)))
+    RMSNORM_CU.launch(f"fused_add_rms_norm<{CUDA_TYPE[x.dtype]}, {str(vec).lower()}>", x.device, (x.numel() // d,),
+                      (_threads(d, x.dtype, vec),),
+                      out=kernels.ptr(out), residual=kernels.ptr(residual), x=kernels.ptr(x), w=kernels.ptr(weight),
+                      dim=np.int32(d), eps=np.float32(eps))
     return out, residual
 
 

@@ -117,8 +117,9 @@ def apply_rope_(q_pe: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor,
     vec = (d % n == 0 and all(s % n == 0 for s in (q_pe.stride(0), q_pe.stride(1), k_pe.stride(0)))
            and kernels.aligned16(q_pe, k_pe))
     items = (h + 1) * (d // n if vec else d // 2)  # vectors (or pairs) per token, over all heads and k_pe
-    kernel = ROPE_CU.function(f"rope<{CUDA_TYPE[q_pe.dtype]}, {str(vec).lower()}>", q_pe.device)
-    kernels.launch(kernel, (T,), (min(256, max(32, -(-items // 32) * 32)),),
-                   (kernels.ptr(q_pe), np.int64(q_pe.stride(0)), np.int64(q_pe.stride(1)), np.int32(h),
-                    kernels.ptr(k_pe), np.int64(k_pe.stride(0)), kernels.ptr(positions), kernels.ptr(cache),
-                    np.int64(cache.shape[0]), np.int32(d)))
+    ROPE_CU.launch(f"rope<{CUDA_TYPE[q_pe.dtype]}, {str(vec).lower()}>", q_pe.device, (T,),
+                   (min(256, max(32, -(-items // 32) * 32)),),
+                   q=kernels.ptr(q_pe), q_row_stride=np.int64(q_pe.stride(0)), q_head_stride=np.int64(q_pe.stride(1)),
+                   heads=np.int32(h), k=kernels.ptr(k_pe), k_row_stride=np.int64(k_pe.stride(0)),
+                   positions=kernels.ptr(positions), cache=kernels.ptr(cache), num_positions=np.int64(cache.shape[0]),
+                   dim=np.int32(d))

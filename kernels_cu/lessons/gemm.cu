@@ -24,9 +24,10 @@
 // tensor cores (mma / wgmma) are what separate it from cuBLAS.
 #include "common.cuh"
 
-constexpr int BM = 64, BN = 64, BK = 16;  // C tile and K step (keep in sync with gemm.py)
-constexpr int TM = 4, TN = 4;             // each thread's sub-tile of C
-constexpr int THREADS = (BM / TM) * (BN / TN);  // 16 x 16 = 256
+constexpr int BM = DSV2_GEMM_BM, BN = DSV2_GEMM_BN, BK = 16;  // C tile (set in gemm.py) and K step
+constexpr int TM = 4, TN = 4;                  // each thread's sub-tile of C
+constexpr int THREADS = DSV2_GEMM_THREADS;     // threads per block (set in gemm.py)
+static_assert(THREADS == (BM / TM) * (BN / TN), "one thread per TM x TN sub-tile: 16 x 16 = 256");
 
 template <typename T>
 __global__ void __launch_bounds__(THREADS)

@@ -9,6 +9,9 @@
 // order 0, 1, ... (deterministic), writes `final_out` and resets its counter to 0.
 #include "mla_decode.cuh"
 
+// Floats per lane of mla_decode_combine's merge: 64 columns a block (set in dsv2_lib/lessons/mla_decode_split.py).
+constexpr int COMBINE_WIDTH = DSV2_MLA_SPLIT_COMBINE_WIDTH;
+
 // Uniform split-KV: block (split, b, head group) attends chunk [split * chunk, (split + 1) * chunk)
 // of entry b's context (contiguous: rows of slot slots[b]; an entry whose slot is outside
 // [0, num_slots) attends over nothing). Dynamic shared memory: attend_rows's (mla_decode.cuh).
@@ -100,5 +103,5 @@ __global__ void __launch_bounds__(mla::THREADS) mla_decode_split(
 __global__ void __launch_bounds__(COMBINE_WARPS * 32) mla_decode_combine(
     float* __restrict__ out, const float* __restrict__ o_part, const float* __restrict__ lse, int splits, int dl) {
     const long long row = (long long)blockIdx.z * gridDim.y + blockIdx.y;  // b * H + h
-    merge_partials<2>(out + row * dl, o_part + row * splits * dl, dl, lse + row * splits, 1, splits, dl);
+    merge_partials<COMBINE_WIDTH>(out + row * dl, o_part + row * splits * dl, dl, lse + row * splits, 1, splits, dl);
 }

@@ -29,7 +29,8 @@
 // Each lane keeps GEMV_U 16-byte vectors per weight row in flight (v = base + 32 q + lane), then
 // multiplies them by each of the item's (<= GEMV_TB) activation rows read from L1/L2.
 // ------------------------------------------------------------------------------------------------
-constexpr int GEMV_TB = 8;  // choices per work item (keep in sync with moe_grouped.py)
+constexpr int GEMV_TB = DSV2_GROUPED_TB;  // choices per work item (set in dsv2_lib/lessons/moe_grouped.py)
+constexpr int MAX_THREADS = 32 * DSV2_GROUPED_MAX_WARPS;  // the largest block (moe_grouped.py: MAX_WARPS)
 constexpr int GEMV_U = 8;   // 16-byte vectors in flight per lane per K chunk, over all NR weight rows
 
 // acc[j][r] += (this lane's share of) w[r] . a[arow[j]] over K, for j < cnt; rows of a are K long.
@@ -163,7 +164,7 @@ __device__ __forceinline__ void gemv_unit(int slot, int chunk, int cpw, T* __res
 
 // grid (max_items + shared slots, column chunks), see above.
 template <typename T, bool GATE_UP>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(MAX_THREADS)
 moe_gemv_grouped(T* __restrict__ out, T* __restrict__ out_sh, const T* __restrict__ a, const T* __restrict__ a_sh,
                  const T* __restrict__ w, const T* __restrict__ w_sh, const int* __restrict__ sorted,
                  const int* __restrict__ items, const int* __restrict__ n_items, int max_items,
@@ -235,7 +236,7 @@ __global__ void moe_gemv_items(int* __restrict__ sorted, int* __restrict__ items
 // Blocks 1..: the shared slots of the gate|up GEMV (gemv_unit with no routed slots), if w_sh != nullptr;
 // unit u = (slot u / n_chunks, chunk u % n_chunks). Dynamic shared memory (T_ k + 3E) ints.
 template <typename T>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(MAX_THREADS)
 moe_route_gemv(float* __restrict__ weights, long long* __restrict__ ids, const float* __restrict__ logits,
                int T_, int E, int k, int n_group, int topk_group, int renorm, float scale,
                int* __restrict__ sorted, int* __restrict__ items, int* __restrict__ n_items,
