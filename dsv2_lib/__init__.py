@@ -1,7 +1,7 @@
 """DeepSeek-V2-Lite from scratch: a small, readable inference engine for DeepSeek-V2 models.
 
 The layers, lowest first (each imports only the ones below it): ``core`` -> ``ops`` -> ``model`` ->
-``engine`` -> ``lessons`` -> ``tools``. The public names below are loaded on first use, so importing
+``engine`` -> ``serve`` -> ``lessons`` -> ``tools``. The public names below are loaded on first use, so importing
 one low layer (``dsv2_lib.core.config``) does not load the engine.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 _PUBLIC = {
-    "LLM": "dsv2_lib.engine.llm", "RequestOutput": "dsv2_lib.engine.llm",
+    "LLM": "dsv2_lib.engine.llm", "RequestOutput": "dsv2_lib.engine.request_state",
     "SamplingParams": "dsv2_lib.engine.sampling",
     "ModelConfig": "dsv2_lib.core.config", "load_config": "dsv2_lib.core.config",
     "DEEPSEEK_V2_LITE": "dsv2_lib.core.config", "TINY": "dsv2_lib.core.config",

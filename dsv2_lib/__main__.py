@@ -1,4 +1,5 @@
 """Command line: ``python -m dsv2_lib generate --model tiny "To be, or not"``,
+``python -m dsv2_lib serve --model tiny --port 8000`` (an OpenAI-compatible HTTP server),
 ``python -m dsv2_lib bench`` (on a GPU: our engine against transformers, chapter 14), and
 ``python -m dsv2_lib diff --model DIR "prompt"`` (the first step where our engine and transformers part)."""
 from __future__ import annotations
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="read each step's tokens back before planning the next (no host/GPU overlap)")
     gen.add_argument("--stats", action="store_true", help="print the scheduler and cache statistics to stderr")
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated (one prompt)")
+    add_serve_parser(sub)
     add_bench_parser(sub)
     from dsv2_lib.tools.diff import add_diff_parser
 
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         return bench_command(args)
+    if args.command == "serve":
+        return serve_command(args)
     if args.command == "diff":
         from dsv2_lib.tools.diff import diff_command
 
@@ -117,11 +121,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for prompt, out in zip(args.prompts, outputs):
+        if out.error is not None:
+            print(f"error: {out.error}", file=sys.stderr)  # (it names the request: its prompt's index)
+            continue
         print(f"{prompt}{out.text}")
         print(f"  [{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
     if args.stats:
         print(llm.last_stats.summary(), file=sys.stderr)
-    return 0
+    return 2 if any(out.error is not None for out in outputs) else 0
 
 
 def stream_one(llm, prompt: str, params, stats: bool) -> int:
@@ -135,6 +142,56 @@ def stream_one(llm, prompt: str, params, stats: bool) -> int:
     print(f"  [{tokens} tokens]", file=sys.stderr)
     if stats:
         print(llm.last_stats.summary(), file=sys.stderr)
+    return 0
+
+
+def add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+                       formatter_class=HelpFormatter,
+                       description="Serve a model over HTTP with OpenAI's API; concurrent requests share one "
+                                   "continuous batch. Stop it with Ctrl-C.")
+    s.add_argument("--model", default="tiny", help="'tiny' or a DeepSeek-V2 checkpoint directory")
+    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=positive_int, default=8000, help="TCP port")
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
+    s.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="weights' dtype (default: bfloat16 on CUDA, float32 on a CPU)")
+    s.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="most tokens of prompt + output per request (default: the model's context)")
+    s.add_argument("--kv-cache-mib", type=float, default=None,
+                   help="KV cache size in MiB (default: 90%% of the GPU's free memory on CUDA, 256 MiB on a CPU)")
+
+
+def serve_command(args) -> int:
+    import torch
+
+    if error := device_error(args.device):
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        import uvicorn
+
+        from dsv2_lib.engine.live_engine import LiveEngine
+        from dsv2_lib.engine.llm import LLM
+        from dsv2_lib.serve.openai_server import create_app
+    except ImportError as e:
+        print(f"error: serving needs FastAPI and uvicorn ({e}): pip install -e '.[serve]'", file=sys.stderr)
+        return 2
+    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if args.kv_cache_mib is None and cuda:
+        size = {"gpu_memory_utilization": 0.9}  # one pool for every request, whenever it comes
+    else:
+        size = {"kv_cache_mib": 256.0 if args.kv_cache_mib is None else args.kv_cache_mib}
+    try:
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, **size)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or args.model
+    with LiveEngine(llm) as engine:
+        print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI API); Ctrl-C stops", file=sys.stderr)
+        uvicorn.run(create_app(engine, name), host=args.host, port=args.port, log_level="warning")
     return 0
 
 

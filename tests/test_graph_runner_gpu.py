@@ -93,6 +93,8 @@ def test_side_streams_give_the_same_bits_and_are_waited_for(monkeypatch):
     """Up to 16 tokens MLA's q_proj and MoE's shared experts run on a side stream (dsv2_lib/core/streams.py):
     a replay gives the same logits and cache rows, bit for bit, as with every kernel on one stream. The
     side work is held up ~5 ms per layer, so a join that did not wait would read unwritten buffers."""
+    import dataclasses
+
     from dsv2_lib.core import streams
     from dsv2_lib.model import mla, moe
     from dsv2_lib.ops.moe_experts import MoETuning
@@ -103,7 +105,9 @@ def test_side_streams_give_the_same_bits_and_are_waited_for(monkeypatch):
     step = random_step(5, cache, torch.Generator().manual_seed(2))
     before = cache.rows.clone()
     layers = [m for m in llm.model.modules() if isinstance(m, moe.MoE) and m.shared_experts is not None]
-    monkeypatch.setattr(mla, "Q_STREAM_MAX_TOKENS", 0)
+    attention = [m for m in llm.model.modules() if isinstance(m, mla.MLA)]
+    for m in attention:
+        m.tuning = dataclasses.replace(m.tuning, q_stream_max_tokens=0)
     for m in layers:
         m.tuning = MoETuning(shared_stream_max_tokens=0)
     want, want_rows = DecodeGraphRunner(llm.model, cache)(*step).clone(), cache.rows.clone()
@@ -117,7 +121,8 @@ def test_side_streams_give_the_same_bits_and_are_waited_for(monkeypatch):
             return forward(*args)
         return run
 
-    monkeypatch.setattr(mla, "Q_STREAM_MAX_TOKENS", 16)
+    for m in attention:
+        m.tuning = dataclasses.replace(m.tuning, q_stream_max_tokens=16)
     monkeypatch.setattr(mla.MLA, "project_q", delayed(mla.MLA.project_q))
     for m in layers:
         m.tuning = MoETuning(shared_stream_max_tokens=16)
@@ -126,3 +131,20 @@ def test_side_streams_give_the_same_bits_and_are_waited_for(monkeypatch):
     got = DecodeGraphRunner(llm.model, cache)(*step)
     assert layers and on_side and all(on_side)  # every delayed call ran on the side stream
     assert torch.equal(got, want) and torch.equal(cache.rows, want_rows)
+
+
+def test_the_trace_names_each_decode_steps_graph_size(tmp_path):
+    """``LLM(trace=...)`` on a GPU: every step whose decode items replayed a graph records the batch and the
+    captured size it ran in, the smallest bucket that holds it."""
+    import json
+
+    from dsv2_lib.engine.graph_runner import bucket
+
+    path = tmp_path / "trace.jsonl"
+    llm = LLM("tiny", device="cuda", dtype=torch.bfloat16, trace=path)
+    llm.generate(PROMPTS, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (4, 9, 14, 6, 11)])
+    steps = [r for r in map(json.loads, path.read_text().splitlines()) if r["event"] == "step"]
+    decodes = [(s, sum(i["kind"] == "decode" for i in s["items"])) for s in steps]
+    assert all((s["graph"] is None) == (n == 0) for s, n in decodes)  # each decode part ran as a graph
+    assert {(s["graph"]["batch"], s["graph"]["bucket"]) for s, n in decodes if n} == {(n, bucket(n)) for _, n in decodes if n}
+    assert {n for _, n in decodes} >= {5, 3}  # the batch shrank as requests finished

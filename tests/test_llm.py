@@ -15,7 +15,12 @@ from dsv2_lib.core.checkpoint import CheckpointError
 from dsv2_lib.core.config import TINY, ConfigError
 from dsv2_lib.engine.llm import EMBEDDED_MODELS
 from dsv2_lib.model.cache import block_bytes
+from dsv2_lib.model.layers import Linear
+from dsv2_lib.model.mla import MLA
 from dsv2_lib.model.moe import MoE
+from dsv2_lib.model.tuning import Tuning
+from dsv2_lib.ops.attention import AttentionTuning
+from dsv2_lib.ops.mla_decode import DecodeTuning
 from dsv2_lib.ops.moe_experts import MoETuning
 from dsv2_lib.tools.random_checkpoint import write_random_checkpoint
 
@@ -371,10 +376,14 @@ def test_stream_without_tokenizer_gives_no_text(small):
     assert all(piece is None for _, _, piece in small.stream([[1, 2, 3]], SamplingParams(max_tokens=3)))
 
 
-def test_a_request_larger_than_the_cache_is_rejected_at_submission():
+def test_a_request_larger_than_the_cache_fails_alone_and_the_others_are_served():
     llm = LLM("tiny", device="cpu", dtype="float32", kv_cache_mib=2 * tiny_block_mib(16))  # 2 blocks, 32 tokens
-    with pytest.raises(ValueError, match=r"request 1 can never run: it needs up to 35 cached tokens"):
-        llm.generate([[1, 2], [3] * 20], SamplingParams(max_tokens=16))
+    params = SamplingParams(max_tokens=4, temperature=0)
+    alone = llm.generate([[1, 2], [4, 5]], params)
+    small, big, other = llm.generate([[1, 2], [3] * 30, [4, 5]], params)
+    assert (big.finish_reason, big.token_ids, big.text) == ("error", [], "")
+    assert big.error.startswith("request 1 can never run: it needs up to 33 cached tokens")
+    assert [(o.finish_reason, o.token_ids) for o in (small, other)] == [(o.finish_reason, o.token_ids) for o in alone]
     with pytest.raises(ValueError, match=r"request 0 can never run"):
         llm.stream([[3] * 20], SamplingParams(max_tokens=16))  # before the first token is asked for
     assert llm.generate([[1, 2]], SamplingParams(max_tokens=4))[0].finish_reason == "length"
@@ -516,7 +525,7 @@ def test_engine_batches_are_host_checked(tiny, monkeypatch):
     (dict(kv_cache_mib=0), "kv_cache_mib must be a finite number of MiB > 0"),
     (dict(device="tpu"), "device must be"),
     (dict(device=3), "device must be 'cpu', 'cuda', 'cuda:N' or None, got 3"),
-    (dict(moe_tuning={"gemv_max_tokens": 4}), "moe_tuning must be a MoETuning, got dict"),
+    (dict(tuning={"gemv_max_tokens": 4}), "tuning must be a Tuning (dsv2_lib.model.tuning), got dict"),
 ])
 def test_serving_arguments_of_the_wrong_kind_are_refused_by_name(kw, want):
     """A bool is not a size and a string is not a bool: each refused before any weight loads."""
@@ -536,8 +545,25 @@ def test_a_context_longer_than_the_trained_one_warns():
         LLM("tiny", device="cpu", max_model_len=TINY.max_position_embeddings * 2)
 
 
-def test_moe_tuning_reaches_every_moe_layer():
-    tuning = MoETuning(gemv_max_tokens=1)
-    llm = LLM("tiny", device="cpu", moe_tuning=tuning)
-    layers = [m for m in llm.model.modules() if isinstance(m, MoE)]
-    assert layers and all(m.tuning is tuning for m in layers) and llm.engine_config.moe_tuning is tuning
+def test_tuning_reaches_every_layer_that_switches_kernels():
+    tuning = Tuning(moe=MoETuning(gemv_max_tokens=1), attention=AttentionTuning(sdpa_min_tokens=7),
+                    decode=DecodeTuning(min_tiles=3), gemv_max_tokens=1)
+    llm = LLM("tiny", device="cpu", tuning=tuning)
+    assert llm.engine_config.tuning is tuning
+    moe = [m for m in llm.model.modules() if isinstance(m, MoE)]
+    mla = [m for m in llm.model.modules() if isinstance(m, MLA)]
+    linear = [m for m in llm.model.modules() if isinstance(m, Linear)]
+    assert moe and all(m.tuning is tuning.moe for m in moe)
+    assert len(mla) == TINY.num_hidden_layers and all(m.tuning is tuning for m in mla)
+    assert linear and all(m.gemv_max_tokens == 1 for m in linear)  # the LM head and the shared experts' too
+
+
+@pytest.mark.parametrize("kw, want", [
+    (dict(moe={"gemv_max_tokens": 1}), "Tuning.moe must be a MoETuning, got dict"),
+    (dict(decode=AttentionTuning()), "Tuning.decode must be a DecodeTuning, got AttentionTuning"),
+    (dict(gemv_max_tokens=-1), "Tuning.gemv_max_tokens must be an int >= 0 (0: never), got -1"),
+    (dict(gemv_max_tokens=True), "Tuning.gemv_max_tokens must be an int >= 0"),
+])
+def test_a_bad_tuning_is_refused_by_field(kw, want):
+    with pytest.raises(ValueError, match=re.escape(want)):
+        Tuning(**kw)

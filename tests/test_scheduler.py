@@ -139,8 +139,8 @@ def test_a_request_larger_than_the_pool_is_rejected_at_once():
             "of 4, but the whole pool has 2 blocks (8 tokens); enlarge the cache or lower max_tokens")):
         sched.add_request([1, 2, 3, 4, 5], 5)
     assert not sched.has_unfinished()
-    r = sched.add_request([1, 2, 3, 4, 5], 4)  # exactly the pool: accepted, and it gets id 0
-    assert r.id == 0 and r.max_len == 8
+    r = sched.add_request([1, 2, 3, 4, 5], 4)  # exactly the pool: accepted; ids follow the calls, refused ones too
+    assert r.id == 1 and r.max_len == 8
 
 
 @pytest.mark.parametrize("prompt, max_tokens, message", [

@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from dsv2_lib.core.config import ModelConfig
 from dsv2_lib.engine.scheduler import ADMISSIONS, MODES, Scheduler
-from dsv2_lib.ops.moe_experts import MoETuning
+from dsv2_lib.model.tuning import Tuning
 
 
 def _is_int(x) -> bool:
@@ -39,7 +40,8 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     cuda_graphs: bool = True
     async_scheduling: bool = True
-    moe_tuning: MoETuning = field(default_factory=MoETuning)  # where the MoE layers switch kernel paths
+    tuning: Tuning = field(default_factory=Tuning)  # where the model's ops switch kernel paths
+    trace: str | Path | None = None  # a JSON-lines file of scheduler steps
 
     def __post_init__(self):
         if self.device is not None and not isinstance(self.device, (str, torch.device)):
@@ -71,8 +73,11 @@ class EngineConfig:
         if mib is not None and (isinstance(mib, bool) or not isinstance(mib, (int, float))
                                 or not math.isfinite(mib) or mib <= 0):
             raise ValueError(f"kv_cache_mib must be a finite number of MiB > 0 (or None), got {mib!r}")
-        if not isinstance(self.moe_tuning, MoETuning):
-            raise ValueError(f"moe_tuning must be a MoETuning, got {type(self.moe_tuning).__name__}")
+        if not isinstance(self.tuning, Tuning):
+            raise ValueError(f"tuning must be a Tuning (dsv2_lib.model.tuning), got {type(self.tuning).__name__}")
+        if self.trace is not None:
+            if not isinstance(self.trace, (str, Path)) or not Path(self.trace).parent.is_dir() or Path(self.trace).is_dir():
+                raise ValueError(f"trace must be a file path in an existing directory (or None), got {self.trace!r}")
         Scheduler.check_budget(self.max_num_batched_tokens)
         if self.gpu_memory_utilization is not None:
             self._check_memory_utilization()

@@ -1,12 +1,15 @@
-"""The public entry point: ``LLM(model).generate(prompts, SamplingParams(...))``, ``LLM.stream`` and ``LLM.logits``.
+"""The public entry point: ``LLM(model).generate(prompts, SamplingParams(...))``, ``LLM.chat``,
+``LLM.stream`` and ``LLM.logits``.
 
 ``generate`` and ``stream`` serve every prompt through the batching :class:`~dsv2_lib.engine.scheduler.Scheduler`
 over a paged latent cache; which requests share a step never changes what a request generates. ``LLM``
-loads the model, checks its arguments once (:class:`~dsv2_lib.engine.engine_config.EngineConfig`) and runs
-the loop: schedule, step (:class:`~dsv2_lib.engine.model_runner.ModelRunner`), sample, stop, detokenise.
+loads the model, checks its arguments once (:class:`~dsv2_lib.engine.engine_config.EngineConfig`), checks
+the prompts, and steps a :class:`~dsv2_lib.engine.step_loop.StepLoop` (schedule, run the model, sample,
+stop, detokenise) to the end of the run.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,29 +22,22 @@ from dsv2_lib.core.checkpoint import load_checkpoint
 from dsv2_lib.core.config import load_config
 from dsv2_lib.core.dtypes import default_dtype
 from dsv2_lib.core.tokenizer import Tokenizer
-from dsv2_lib.engine.block_manager import PENDING, BlockManager, BlockStats
+from dsv2_lib.engine.block_manager import BlockManager, BlockStats
 from dsv2_lib.engine.engine_config import EngineConfig
 from dsv2_lib.engine.model_runner import ModelRunner
-from dsv2_lib.engine.sampling import SamplingParams, sample_rows, sample_rows_on_device
+from dsv2_lib.engine.request_state import RequestOutput, RequestState
+from dsv2_lib.engine.sampling import SamplingParams
 from dsv2_lib.engine.scheduler import Scheduler, SchedulerStats
+from dsv2_lib.engine.step_loop import StepLoop
+from dsv2_lib.engine.step_trace import StepTrace
 from dsv2_lib.model.cache import LatentCache, PagedLatentCache, SequenceBatch
 from dsv2_lib.model.deepseek_v2 import DeepseekV2
-from dsv2_lib.ops.moe_experts import MoETuning
+from dsv2_lib.model.tuning import Tuning
 
 EMBEDDED_MODELS = {"tiny": Path(__file__).resolve().parent.parent / "assets" / "tiny"}
 
 Prompt = str | list[int]
-
-
-@dataclass
-class RequestOutput:
-    """One finished request: its prompt ids, the generated ids (a final stop token included), the
-    generated text (``None`` without a tokenizer) and why it stopped: ``"stop"`` or ``"length"``."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str
+Message = dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -102,10 +98,16 @@ class LLM:
     on a GPU (bf16/fp16) replay CUDA graphs (:class:`~dsv2_lib.engine.graph_runner.DecodeGraphRunner`); False runs
     every launch from Python (eager), for debugging and comparison. ``async_scheduling`` (with
     ``admission="reserve"``): the host plans and launches step t+1 before it reads step t's tokens
-    back, so its scheduling work overlaps the GPU's (see :meth:`_run_ahead`). The tokens are those of
+    back, so its scheduling work overlaps the GPU's (:mod:`~dsv2_lib.engine.step_loop`). The tokens are those of
     one step at a time; on a GPU a step that still carries a request stopped the step before is a
-    different batch, which may round differently, as any change of batch may. ``moe_tuning``: where the
-    MoE layers switch kernel paths (:class:`~dsv2_lib.ops.moe_experts.MoETuning`; ``None``: the H200's).
+    different batch, which may round differently, as any change of batch may. ``tuning``: where the
+    model's ops switch kernel paths (:class:`~dsv2_lib.model.tuning.Tuning`; ``None``: the H200's).
+    ``trace``: a file to which each run's scheduler steps are written as JSON lines
+    (:mod:`~dsv2_lib.engine.step_trace`).
+
+    One run at a time: a second ``generate``/``stream`` (another thread's, or while a stream is open)
+    is refused; requests that arrive at different times share one batch through
+    :class:`~dsv2_lib.engine.live_engine.LiveEngine` (what ``python -m dsv2_lib serve`` runs).
 
     Every argument but ``model`` is checked once, before the weights load, into ``engine_config`` (an
     :class:`EngineConfig`); ``runner`` (a :class:`ModelRunner`) runs the model's steps on the cache.
@@ -115,7 +117,8 @@ class LLM:
                  max_model_len: int | None = None, kv_cache_mib: float | None = None, block_size: int = 16,
                  scheduling: str = "continuous", admission: str = "reserve", prefix_caching: bool = True,
                  max_num_batched_tokens: int | None = 8192, gpu_memory_utilization: float | None = None,
-                 cuda_graphs: bool = True, async_scheduling: bool = True, moe_tuning: MoETuning | None = None):
+                 cuda_graphs: bool = True, async_scheduling: bool = True, tuning: Tuning | None = None,
+                 trace: str | Path | None = None):
         path = resolve_model(model)
         self.config = load_config(path)
         self.engine_config = EngineConfig(
@@ -123,12 +126,12 @@ class LLM:
             scheduling=scheduling, admission=admission, prefix_caching=prefix_caching,
             max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
             cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
-            moe_tuning=MoETuning() if moe_tuning is None else moe_tuning).for_model(self.config)
+            tuning=Tuning() if tuning is None else tuning, trace=trace).for_model(self.config)
         c = self.engine_config
         cache = None if c.kv_cache_mib is None else PagedLatentCache.from_mib(
             self.config, c.kv_cache_mib, c.dtype, c.device, c.block_size, c.max_model_len)
         with torch.device(c.device), default_dtype(c.dtype):
-            self.model = DeepseekV2(self.config, moe_tuning=c.moe_tuning)
+            self.model = DeepseekV2(self.config, tuning=c.tuning)
         load_checkpoint(self.model, path)
         if c.gpu_memory_utilization is not None:  # after the weights: the pool gets what they leave
             cache = PagedLatentCache.from_gpu_memory(self.config, c.dtype, c.device, c.block_size, c.max_model_len,
@@ -137,7 +140,9 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(path)
         self.last_stats: RunStats | None = None
         self._blocks: BlockManager | None = None  # the block pool of self.runner.cache, kept across runs
-        self._serving = False  # a run over self._blocks has started and not ended
+        self._trace = None if c.trace is None else StepTrace(c.trace)
+        self._lock = threading.Lock()
+        self._user: str | None = None  # what is running on this LLM now (a run, a stream, a LiveEngine)
 
     # ---- inputs -----------------------------------------------------------------------------
     def _token_ids(self, prompt: Prompt, index: int) -> list[int]:
@@ -145,11 +150,16 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"prompt {index} is text but this checkpoint has no tokenizer.json; pass token ids")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt {index} is not valid Unicode text: {e.reason} at character {e.start} "
+                                 f"({prompt[e.start]!r})") from None
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
         else:
-            raise ValueError(f"prompt {index} is {type(prompt).__name__} {prompt!r}; a prompt is text or a list of token ids")
+            raise ValueError(f"prompt {index} is {type(prompt).__name__} {prompt!r:.80}; a prompt is text or a list of token ids")
         if not ids:
             raise ValueError(f"prompt {index} is empty")
         vocab = self.config.vocab_size
@@ -166,6 +176,14 @@ class LLM:
             )
         return ids
 
+    def chat_prompt(self, messages: list[Message]) -> list[int]:
+        """A conversation (``[{"role": ..., "content": ...}, ...]``) as prompt ids, in the checkpoint's chat
+        template (:meth:`Tokenizer.apply_chat_template <dsv2_lib.core.tokenizer.Tokenizer.apply_chat_template>`),
+        ending where the assistant's reply begins."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs the checkpoint's tokenizer.json, which this checkpoint does not have")
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
     # ---- public API -------------------------------------------------------------------------
     def logits(self, prompt: Prompt) -> torch.Tensor:
         """float32 logits for every position of one prompt, ``[len, vocab]`` on the CPU."""
@@ -180,162 +198,134 @@ class LLM:
                  progress: bool | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids), all served together by the scheduler.
 
-        ``progress``: a progress bar of finished requests on stderr (``None``: only on a terminal).
+        A request that can never fit the cache (one sized once, smaller than its worst case) ends
+        with ``finish_reason="error"`` and its ``error``; the others are served. ``progress``: a progress
+        bar of finished requests on stderr (``None``: only on a terminal).
         """
-        ids, plist = self._requests(prompts, params)
-        out: list[list[int]] = [[] for _ in ids]
-        finish: list[str | None] = [None] * len(ids)
-        for i, token, reason in self._serve(ids, plist, progress):
-            out[i].append(token)
-            finish[i] = reason
-        return [
-            RequestOutput(i, o, self.tokenizer.decode(o) if self.tokenizer else None, f)
-            for i, o, f in zip(ids, out, finish)
-        ]
+        loop, states = self._start(*self._requests(prompts, params), incremental=False)
+        for _ in self._drive(loop, states, progress):
+            pass
+        return [s.out for s in states]
+
+    def chat(self, conversations: list[Message] | list[list[Message]],
+             params: SamplingParams | list[SamplingParams] | None = None,
+             progress: bool | None = None) -> list[RequestOutput]:
+        """The assistant's next reply to each conversation (one, or a list), as :meth:`generate` gives it;
+        a conversation is a list of ``{"role": "system" | "user" | "assistant", "content": str}``."""
+        if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        if not isinstance(conversations, list) or not all(isinstance(c, list) for c in conversations):
+            raise ValueError("chat takes a conversation (a list of {'role': ..., 'content': ...} messages) or a "
+                             f"list of conversations, got {type(conversations).__name__}")
+        return self.generate([self.chat_prompt(c) for c in conversations], params, progress)
 
     def stream(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                progress: bool | None = False) -> Iterator[tuple[int, int, str | None]]:
         """Like :meth:`generate`, but yield ``(request index, token id, text piece)`` as tokens are produced.
 
         A request's pieces concatenate to its final text (a piece is held back while it ends in an
-        incomplete UTF-8 character); ``None`` without a tokenizer. Prompts are validated, and a request
-        larger than the cache rejected, here, before the first token. With a cache sized once the runs of
-        one LLM share it: consume (or ``close()``) one stream before starting another run, which is
-        refused until then. No progress bar by default.
+        incomplete UTF-8 character, or may be the start of a stop string); ``None`` without a
+        tokenizer. Prompts are validated, and a request larger than the cache refused, here, before the
+        first token. Consume (or ``close()``) the stream before starting another run on this LLM.
+        No progress bar by default.
         """
-        ids, plist = self._requests(prompts, params)
-        return self._pieces(self._serve(ids, plist, progress), len(ids))
+        loop, states = self._start(*self._requests(prompts, params), incremental=True)
+        refused = next((i for i, s in enumerate(states) if s.out.finish_reason == "error"), None)
+        if refused is not None:
+            self._release()
+            raise ValueError(states[refused].out.error)
+        index = {s.request_id: i for i, s in enumerate(states)}
+        return ((index[s.request_id], token, s.piece()) for s, token in self._drive(loop, states, progress))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the prompt blocks earlier runs left in the pool's prefix cache, so that the next run
+        computes every prompt in full (to time prefill, say). Only a cache sized once (``kv_cache_mib``,
+        ``gpu_memory_utilization``) keeps them across runs."""
+        with self._lock:
+            if self._user is not None:
+                raise RuntimeError(f"reset_prefix_cache: this LLM is busy with {self._user}")
+            if self._blocks is not None:  # (None: the next run makes a new pool, empty)
+                self._blocks.forget_cached()
 
     # ---- serving ----------------------------------------------------------------------------
     def _requests(self, prompts, params) -> tuple[list[list[int]], list[SamplingParams]]:
         """Prompts (one, or a list) and params (one for all, or one each) -> validated token ids and params."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt (text or token ids) or a list of prompts, got "
+                             f"{type(prompts).__name__} {prompts!r:.80}")
         params = SamplingParams() if params is None else params  # not `or`: an empty list is a mismatch
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        for i, p in enumerate(plist):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"params {i} is a {type(p).__name__}, not a SamplingParams "
+                                 "(build one: SamplingParams(max_tokens=..., ...))")
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
         return [self._token_ids(p, i) for i, p in enumerate(prompts)], plist
 
-    def _serve(self, ids: list[list[int]], plist: list[SamplingParams],
-               progress: bool | None) -> Iterator[tuple[int, int, str | None]]:
-        """Queue every request (rejecting at once one larger than the cache), then run the scheduler to
-        the end, yielding ``(request index, token, finish reason or None)`` per sampled token."""
+    def acquire(self, user: str) -> None:
+        """Take this LLM for ``user`` (a run, a stream, a :class:`~dsv2_lib.engine.live_engine.LiveEngine`);
+        refused while something else holds it. :meth:`_release` gives it back."""
+        with self._lock:
+            if self._user is not None:
+                raise RuntimeError(
+                    f"this LLM is busy with {self._user}; it serves one run at a time. Wait for it (or close() the "
+                    "stream); for requests that arrive concurrently use one LiveEngine (python -m dsv2_lib serve)")
+            self._user = user
+
+    def _release(self) -> None:
+        with self._lock:
+            self._user = None
+
+    def new_loop(self, limits: list[int]) -> StepLoop:
+        """A :class:`StepLoop` for requests reaching at most ``limits`` tokens each (for a cache sized once,
+        any: its pool is shared by every run, so what earlier runs cached stays hittable)."""
         c = self.engine_config
-        limits = [min(len(i) + p.max_tokens, c.max_model_len) for i, p in zip(ids, plist)]
         cache = self.runner.cache_for(limits)
         if cache is not self.runner.cache:  # this run's own
             blocks = BlockManager(cache.num_blocks, c.block_size, c.prefix_caching)
-        else:  # one pool for the LLM's life: what earlier runs cached stays hittable
+        else:
             if self._blocks is None:
                 self._blocks = BlockManager(cache.num_blocks, c.block_size, c.prefix_caching)
             blocks = self._blocks
+        blocks.reset_counters()
         sched = Scheduler(blocks, c.scheduling, c.admission, c.max_num_batched_tokens)
-        for i, n in zip(ids, limits):  # request ids 0, 1, ... are the prompt indices
-            sched.add_request(i, n - len(i))
-        return self._run(sched, cache, plist, progress)
+        if self._trace is not None:
+            self._trace.new_run()
+        return StepLoop(self.runner, sched, cache, self.tokenizer, self.config.eos_token_id,
+                        ahead=c.async_scheduling and c.admission == "reserve", trace=self._trace)
 
-    def _run(self, sched: Scheduler, cache: PagedLatentCache, plist: list[SamplingParams],
-             progress: bool | None) -> Iterator[tuple[int, int, str | None]]:
-        """Step the scheduler to the end: model, one sample per work item that samples (decodes and
-        prompts' last chunks) with each request's own generator, stop decisions; then record ``last_stats``.
-
-        On the LLM's own pool one run at a time. A run that does not reach its end (an error, a stream
-        closed early) may leave blocks named whose rows no step wrote, so the pool is then forgotten."""
-        shared = sched.blocks is self._blocks
-        if shared and self._serving:
-            raise RuntimeError("this LLM's cache is in use by an unfinished stream(): consume it or close() it "
-                               "before starting another run")
-        self._serving, ended = shared, False
-        sched.blocks.reset_counters()
-        generators = [p.generator(self.engine_config.device) for p in plist]
-        start, generated = time.perf_counter(), 0
-        ahead = self.engine_config.async_scheduling and sched.admission == "reserve"
-        steps = self._run_ahead if ahead else self._run_in_step
+    def _start(self, ids: list[list[int]], plist: list[SamplingParams],
+               incremental: bool) -> tuple[StepLoop, list[RequestState]]:
+        """Take the LLM and queue every request of a run; ``incremental``: text kept up to date per token."""
+        self.acquire("an unfinished stream()" if incremental else f"generate() in thread {threading.current_thread().name!r}")
         try:
-            with tqdm(total=len(plist), desc="requests", unit="req", disable=None if progress is None else not progress) as bar:
-                for i, token, reason in steps(sched, cache, plist, generators, bar):
-                    generated += 1
-                    yield i, token, reason
+            limits = [min(len(i) + p.max_tokens, self.engine_config.max_model_len) for i, p in zip(ids, plist)]
+            loop = self.new_loop(limits)
+            return loop, [loop.add(i, p, n - len(i), incremental) for i, p, n in zip(ids, plist, limits)]
+        except BaseException:
+            self._release()
+            raise
+
+    def _drive(self, loop: StepLoop, states: list[RequestState],
+               progress: bool | None) -> Iterator[tuple[RequestState, int]]:
+        """Step ``loop`` to the end, yielding ``(state, token)`` per token; then record ``last_stats`` and give
+        the LLM back. A run that does not reach its end (an error, a stream closed early) may leave blocks
+        named whose rows no step wrote, so a shared pool is then forgotten."""
+        start, ended = time.perf_counter(), False
+        try:
+            with tqdm(total=len(states), desc="requests", unit="req", disable=None if progress is None else not progress) as bar:
+                bar.update(sum(s.finished for s in states))  # refused at once
+                while loop.has_work():
+                    for state, token in loop.step():
+                        bar.update(state.finished)
+                        yield state, token
             ended = True
         finally:
-            if shared:
-                self._serving = False
-                if not ended:
-                    self._blocks = None
-        self.last_stats = RunStats(sched.stats(), sched.blocks.stats(), generated, time.perf_counter() - start)
-
-    def reset_prefix_cache(self) -> None:
-        """Forget the prompt blocks earlier runs left in the pool's prefix cache, so that the next run
-        computes every prompt in full (to time prefill, say). Only a cache sized once (``kv_cache_mib``,
-        ``gpu_memory_utilization``) keeps them across runs."""
-        if self._serving:
-            raise RuntimeError("reset_prefix_cache: an unfinished stream() is using the cache; consume it or close() it first")
-        if self._blocks is not None:  # (None: the next run makes a new pool, empty)
-            self._blocks.forget_cached()
-
-    def _run_in_step(self, sched, cache, plist, generators, bar) -> Iterator[tuple[int, int, str | None]]:
-        """One step at a time: run it, read its tokens back (the host waits), update, plan the next."""
-        while sched.has_unfinished():
-            work = sched.schedule()
-            sampled = [w for w in work if w.samples]
-            logits = self.runner.step(work, cache) if work else None
-            tokens = sample_rows(logits, [plist[w.request.id] for w in sampled],
-                                 [generators[w.request.id] for w in sampled]) if sampled else []
-            stops = [self._is_stop(t, plist[w.request.id]) for t, w in zip(tokens, sampled)]
-            bar.update(len(sched.update(work, tokens, stops)))
-            for w, t in zip(sampled, tokens):
-                yield w.request.id, t, w.request.finish_reason
-
-    def _run_ahead(self, sched, cache, plist, generators, bar) -> Iterator[tuple[int, int, str | None]]:
-        """One step ahead of the GPU. Step t+1 is planned (its sampled tokens recorded as ``PENDING``)
-        and launched, its decode tokens gathered on the GPU from step t's picks, before the host reads
-        step t's tokens back; so the GPU runs step t+1 while the host resolves step t (stop checks,
-        the placeholders, the yields) and plans step t+2. A request that stops at step t has already
-        been given a token in step t+1: that token is dropped (:meth:`Scheduler.resolve`), its cache row
-        lands in the request's own blocks before any later step reuses them."""
-        pending = None  # (step, sampled work, picks on the GPU, picks on the host, copy done)
-        while sched.has_unfinished() or pending is not None:
-            launched = None
-            if sched.has_unfinished():
-                work = sched.schedule()
-                step, sampled = sched.steps - 1, [w for w in work if w.samples]
-                earlier = None if pending is None else (pending[2], {w.request.id: i for i, w in enumerate(pending[1])})
-                logits = self.runner.step(work, cache, earlier) if work else None
-                if sampled:
-                    picks = sample_rows_on_device(logits, [plist[w.request.id] for w in sampled],
-                                                  [generators[w.request.id] for w in sampled])
-                    host = torch.empty_like(picks, device="cpu", pin_memory=picks.is_cuda)
-                    host.copy_(picks, non_blocking=True)
-                    done = torch.cuda.Event() if picks.is_cuda else None
-                    if done is not None:
-                        done.record()
-                    launched = (step, sampled, picks, host, done)
-                bar.update(len(sched.update(work, [PENDING] * len(sampled), [False] * len(sampled))))
-            if pending is not None:
-                step, sampled, _, host, done = pending
-                if done is not None:
-                    done.synchronize()  # this step only: the one launched above keeps running
-                tokens = host.tolist()
-                stops = [self._is_stop(t, plist[w.request.id]) for t, w in zip(tokens, sampled)]
-                report, finished = sched.resolve(sampled, tokens, stops, step)
-                bar.update(len(finished))
-                for r, t, last in report:
-                    yield r.id, t, r.finish_reason if last else None
-            pending = launched
-
-    def _pieces(self, tokens: Iterator[tuple[int, int, str | None]], n: int) -> Iterator[tuple[int, int, str | None]]:
-        """``(index, token, reason)`` -> ``(index, token, text piece)``, detokenizing incrementally."""
-        out: list[list[int]] = [[] for _ in range(n)]
-        sent = [""] * n
-        for i, token, reason in tokens:
-            out[i].append(token)
-            piece = None
-            if self.tokenizer is not None:
-                text = self.tokenizer.decode(out[i])
-                piece = "" if reason is None and text.endswith("\ufffd") else text[len(sent[i]):]
-                sent[i] += piece
-            yield i, token, piece
-
-    def _is_stop(self, token: int, params: SamplingParams) -> bool:
-        return token in params.stop_token_ids or (not params.ignore_eos and token in self.config.eos_token_id)
+            if not ended and loop.sched.blocks is self._blocks:
+                self._blocks = None
+            self._release()
+        self.last_stats = RunStats(loop.sched.stats(), loop.sched.blocks.stats(), loop.generated,
+                                   time.perf_counter() - start)

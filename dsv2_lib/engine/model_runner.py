@@ -1,6 +1,6 @@
 """The model's side of a step: the scheduler's :class:`~dsv2_lib.engine.scheduler.Work` in, the logits of
 the positions that sample out, through the model on the paged latent cache, decode items as CUDA graphs
-where they apply. The loop around it (sampling, stops, the scheduler) is :mod:`~dsv2_lib.engine.llm`'s."""
+where they apply. The loop around it (sampling, stops, the scheduler) is :mod:`~dsv2_lib.engine.step_loop`'s."""
 from __future__ import annotations
 
 import itertools
@@ -10,7 +10,7 @@ import torch
 from dsv2_lib.core import kernels
 from dsv2_lib.engine.block_manager import PENDING
 from dsv2_lib.engine.engine_config import EngineConfig
-from dsv2_lib.engine.graph_runner import BUCKETS, DecodeBuffers, DecodeGraphRunner
+from dsv2_lib.engine.graph_runner import BUCKETS, DecodeBuffers, DecodeGraphRunner, bucket
 from dsv2_lib.engine.scheduler import Work
 from dsv2_lib.model.cache import PagedBatch, PagedLatentCache
 from dsv2_lib.model.deepseek_v2 import DeepseekV2
@@ -20,12 +20,14 @@ class ModelRunner:
     """Runs ``model`` as ``engine_config`` says, on ``cache`` and the CUDA graphs captured on it.
 
     ``cache``: the cache sized once (``kv_cache_mib`` or ``gpu_memory_utilization``), which then serves
-    every run; ``None``: each run gets one of its own (:meth:`cache_for`).
+    every run; ``None``: each run gets one of its own (:meth:`cache_for`). ``last_graph``: ``(decode
+    batch, graph size)`` when the last step's decode items ran as a CUDA graph, else ``None``.
     """
 
     def __init__(self, model: DeepseekV2, engine_config: EngineConfig, cache: PagedLatentCache | None = None):
         self.model, self.engine_config, self.cache = model, engine_config, cache
         self._graphs: DecodeGraphRunner | None = None
+        self.last_graph: tuple[int, int] | None = None
 
     def cache_for(self, limits: list[int]) -> PagedLatentCache:
         """The cache of a run whose requests reach at most ``limits`` tokens each: ``cache`` when sized
@@ -47,10 +49,10 @@ class ModelRunner:
         the scheduler lists them (a block a decode item fills is then written before a prefill of the
         same step that shares it reads it; see :mod:`~dsv2_lib.engine.scheduler`). ``earlier = (picks, row of
         each request)``: a token that is ``PENDING`` here is that request's pick of the step before,
-        still on the GPU (:meth:`LLM._run_ahead <dsv2_lib.engine.llm.LLM._run_ahead>`).
+        still on the GPU (:mod:`~dsv2_lib.engine.step_loop`, one step ahead).
         """
         device = self.engine_config.device
-        logits = []
+        logits, self.last_graph = [], None
         for part in ([w for w in work if not w.prefill], [w for w in work if w.prefill]):
             if not part:
                 continue
@@ -60,6 +62,7 @@ class ModelRunner:
                 source = earlier[0], [earlier[1][w.request.id] if w.token_ids[0] == PENDING else -1 for w in part]
             if not part[0].prefill and self._graphs_apply(len(part), cache):
                 runner = self._graph_runner(cache)
+                self.last_graph = len(part), bucket(len(part), runner.buckets)
                 logits.append(runner(ids, [w.positions.start for w in part], [w.block_table for w in part],
                                      [w.slots[0] for w in part], source))
                 continue

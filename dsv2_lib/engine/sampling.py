@@ -8,6 +8,7 @@ import torch
 
 MIN_TEMPERATURE = 1e-4  # below this (but above 0) logits / temperature can overflow float32: use 0 for greedy
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes a 64-bit seed
+MAX_LOGPROBS = 20  # most alternatives reported per token (OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,11 @@ class SamplingParams:
     the ``top_k`` most likely tokens (0: no cut) and to the smallest set whose probability reaches
     ``top_p`` (1: no cut), renormalised and sampled with a generator seeded by ``seed``
     (``None``: drawn from torch's global RNG, so not reproducible).
-    Generation stops after ``max_tokens`` tokens, at EOS (unless ``ignore_eos``) or at any of ``stop_token_ids``.
+    Generation stops after ``max_tokens`` tokens, at EOS (unless ``ignore_eos``), at any of
+    ``stop_token_ids`` (the token is kept) or when the text contains any of the strings ``stop`` (the
+    text ends just before it; the token ids keep the token that completed it).
+    ``logprobs=k``: report each generated token's log-probability and the ``k`` most likely tokens'
+    (0: the chosen token's only), from the model's distribution before temperature and cuts.
     """
 
     max_tokens: int = 16
@@ -28,6 +33,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self):
         def bad(field, want):
@@ -54,6 +61,12 @@ class SamplingParams:
         if stop is None or not all(_is_int(t) and t >= 0 for t in stop):
             bad("stop_token_ids", "a sequence of non-negative ints")
         object.__setattr__(self, "stop_token_ids", stop)
+        strings = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(strings, (list, tuple)) or not all(isinstance(x, str) and x for x in strings):
+            bad("stop", "a string or a sequence of non-empty strings")
+        object.__setattr__(self, "stop", tuple(strings))
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"None or an int in 0..{MAX_LOGPROBS}")
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """A fresh RNG for one request (``None`` for greedy, which needs none)."""
@@ -110,3 +123,4 @@ def sample_rows_on_device(logits: torch.Tensor, params: list[SamplingParams],
         if p.temperature != 0:
             picks[i] = torch.multinomial(filter_logits(logits[i], p).softmax(-1), 1, generator=g)[0]
     return picks
+

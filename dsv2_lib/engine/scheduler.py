@@ -156,16 +156,35 @@ class Scheduler:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         r = Request(self._next_id, list(prompt), max_tokens, arrival_step=self.steps)
-        need, pool = self.blocks.blocks_for_tokens(r.max_len), self.blocks.num_blocks
-        if need > pool:
-            raise ValueError(
-                f"request {r.id} can never run: it needs up to {r.max_len} cached tokens (prompt {len(prompt)} "
-                f"+ max_tokens {max_tokens} - 1) = {need} blocks of {self.blocks.block_size}, but the whole pool "
-                f"has {pool} blocks ({pool * self.blocks.block_size} tokens); enlarge the cache or lower max_tokens"
-            )
-        self._next_id += 1
+        self._next_id += 1  # a refused request keeps its id: ids stay the order of add_request calls
+        if problem := self.never_fits(len(prompt), max_tokens):
+            raise ValueError(f"request {r.id} {problem}")
         self.waiting.append(r)
         return r
+
+    def never_fits(self, prompt_len: int, max_tokens: int) -> str | None:
+        """Why a request of this size can never run (its worst case exceeds the whole pool), or None."""
+        need_tokens = prompt_len + max_tokens - 1
+        need, pool = self.blocks.blocks_for_tokens(need_tokens), self.blocks.num_blocks
+        if need <= pool:
+            return None
+        return (f"can never run: it needs up to {need_tokens} cached tokens (prompt {prompt_len} + max_tokens "
+                f"{max_tokens} - 1) = {need} blocks of {self.blocks.block_size}, but the whole pool has {pool} blocks "
+                f"({pool * self.blocks.block_size} tokens); enlarge the cache or lower max_tokens")
+
+    def abort(self, r: Request) -> None:
+        """Cancel a request (its client went away): it leaves the queue, or finishes now with reason
+        ``"abort"`` and its blocks go back to the pool. One step ahead, the token a launched step still
+        owes it is dropped when that step resolves (its placeholder is cut here). Between steps only."""
+        if r.status == "waiting":
+            self.waiting.remove(r)
+        elif r.status == "running":
+            while r.output and r.output[-1] == PENDING:
+                r.output.pop()
+            self._finish(r)
+        else:
+            return  # finished already
+        r.status, r.finish_reason, r.finished_step = "finished", "abort", self.steps - 1
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -15,7 +15,7 @@ from dsv2_lib.model.layers import Embedding, Linear
 from dsv2_lib.model.mla import MLA
 from dsv2_lib.model.mlp import MLP
 from dsv2_lib.model.moe import MoE
-from dsv2_lib.ops.moe_experts import MoETuning
+from dsv2_lib.model.tuning import Tuning
 from dsv2_lib.ops.norm import RMSNorm
 from dsv2_lib.ops.rope import rope_cos_sin_cache
 
@@ -27,12 +27,13 @@ class DecoderLayer(nn.Module):
     the RMSNorm after it: the layer takes ``(out, residual)`` of the previous block and returns its own.
     """
 
-    def __init__(self, cfg: ModelConfig, index: int, moe_tuning: MoETuning = MoETuning()):
+    def __init__(self, cfg: ModelConfig, index: int, tuning: Tuning = Tuning()):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLA(cfg)
+        self.self_attn = MLA(cfg, tuning)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg, moe_tuning) if cfg.is_moe_layer(index) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = (MoE(cfg, tuning.moe, tuning.gemv_max_tokens) if cfg.is_moe_layer(index)
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, tuning.gemv_max_tokens))
 
     def forward(self, out, residual, positions, rope_cache, batch: SequenceBatch | PagedBatch, cache: torch.Tensor):
         """``out [T, H]`` (previous block's output), ``residual [T, H]`` (None before layer 0)."""
@@ -47,23 +48,23 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """Everything but the LM head (HF's ``model.*``)."""
 
-    def __init__(self, cfg: ModelConfig, moe_tuning: MoETuning = MoETuning()):
+    def __init__(self, cfg: ModelConfig, tuning: Tuning = Tuning()):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, moe_tuning) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tuning) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DeepseekV2(nn.Module):
     """The whole model. ``forward`` maps packed token ids to final hidden states, updating the cache.
-    ``moe_tuning``: the MoE layers' kernel thresholds."""
+    ``tuning``: where its ops switch kernel paths (:class:`~dsv2_lib.model.tuning.Tuning`)."""
 
-    def __init__(self, cfg: ModelConfig, moe_tuning: MoETuning = MoETuning()):
+    def __init__(self, cfg: ModelConfig, tuning: Tuning = Tuning()):
         super().__init__()
         self.cfg = cfg
-        self.model = Backbone(cfg, moe_tuning)
+        self.model = Backbone(cfg, tuning)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, tuning.gemv_max_tokens)
         self._rope_cache: torch.Tensor | None = None  # [P, rope_dim] fp32, built by the first forward
 
     @property

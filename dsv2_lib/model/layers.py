@@ -8,19 +8,20 @@ from torch import nn
 
 from dsv2_lib.core.dtypes import empty_param
 from dsv2_lib.ops.embedding import embedding
-from dsv2_lib.ops.gemv import linear
+from dsv2_lib.ops.gemv import GEMV_MAX_TOKENS, linear
 
 
 class Linear(nn.Module):
     """``y = x @ weight.T`` with ``weight [out, in]`` (HF layout, no bias: DeepSeek-V2 has none): a GEMV
-    kernel for one or two tokens on a GPU (:func:`~dsv2_lib.ops.gemv.linear`), else ``F.linear``."""
+    kernel for up to ``gemv_max_tokens`` tokens on a GPU (:func:`~dsv2_lib.ops.gemv.linear`), else ``F.linear``."""
 
-    def __init__(self, in_features: int, out_features: int):
+    def __init__(self, in_features: int, out_features: int, gemv_max_tokens: int = GEMV_MAX_TOKENS):
         super().__init__()
         self.weight = empty_param(out_features, in_features)
+        self.gemv_max_tokens = gemv_max_tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return linear(x, self.weight, self.gemv_max_tokens)
 
 
 class Embedding(nn.Module):

@@ -23,6 +23,7 @@ from dsv2_lib.core import kernels, streams
 from dsv2_lib.core.config import ModelConfig
 from dsv2_lib.model.cache import PagedBatch, SequenceBatch, as_paged
 from dsv2_lib.model.layers import Linear
+from dsv2_lib.model.tuning import Tuning
 from dsv2_lib.ops import attention
 from dsv2_lib.ops.cache_write import write_cache_rows
 from dsv2_lib.ops.mla_absorb import absorbed_output, absorbed_query
@@ -34,8 +35,6 @@ from dsv2_lib.ops.mla_decode import (
 )
 from dsv2_lib.ops.norm import RMSNorm, rms_norm
 from dsv2_lib.ops.rope import apply_rope_
-
-Q_STREAM_MAX_TOKENS = 16  # up to this many tokens q_proj runs on a side stream beside the latent projection (streams.py)
 
 
 def write_latent_cache(cache: torch.Tensor, batch: SequenceBatch | PagedBatch, rows: torch.Tensor) -> None:
@@ -63,22 +62,23 @@ def _joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 class MLA(nn.Module):
-    """One MLA attention layer (weights named as in the HF checkpoint)."""
+    """One MLA attention layer (weights named as in the HF checkpoint); ``tuning``: its projections' GEMV
+    threshold and side stream, prefill attention's paths and the decode kernel's schedule."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tuning: Tuning = Tuning()):
         super().__init__()
-        self.cfg = cfg
-        h, qk = cfg.num_attention_heads, cfg.qk_head_dim
+        self.cfg, self.tuning = cfg, tuning
+        h, qk, g = cfg.num_attention_heads, cfg.qk_head_dim, tuning.gemv_max_tokens
         if cfg.q_lora_rank is None:
-            self.q_proj = Linear(cfg.hidden_size, h * qk)
+            self.q_proj = Linear(cfg.hidden_size, h * qk, g)
         else:
-            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank)
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, g)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
-            self.q_b_proj = Linear(cfg.q_lora_rank, h * qk)
-        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.cache_row_dim)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * qk, g)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.cache_row_dim, g)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-        self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), g)
+        self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, g)
 
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H] -> q [T, h, qk_head_dim]``."""
@@ -111,7 +111,7 @@ class MLA(nn.Module):
         ``positions [T]`` (int64, on x's device) index ``rope_cache [P, rope_dim]`` (rope_cos_sin_cache).
         """
         c = self.cfg
-        side = kernels.use_kernels(x) and x.shape[0] <= Q_STREAM_MAX_TOKENS  # two small GEMMs and a norm, side by side
+        side = kernels.use_kernels(x) and x.shape[0] <= self.tuning.q_stream_max_tokens  # two small GEMMs and a norm, side by side
         with streams.fork(x.device, side) as q_ready:
             q = self.project_q(x)
         latent, k_pe = self.project_latent(x)
@@ -145,7 +145,8 @@ class MLA(nn.Module):
             k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
             cu_q = [0, *itertools.accumulate(batch.lens)]
             cu_k = [0, *itertools.accumulate(batch.context_lens)]
-            return attention.prefill_attention(q, k_nope, k_pe, v, cu_q, cu_k, c.softmax_scale)
+            return attention.prefill_attention(q, k_nope, k_pe, v, cu_q, cu_k, c.softmax_scale,
+                                               tuning=self.tuning.attention)
         outs, offset = [], 0
         for seq_rows, start, n in zip(rows.split(batch.context_lens), batch.starts, batch.lens):
             latent, k_pe = seq_rows.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
@@ -185,7 +186,7 @@ class MLA(nn.Module):
                 seq_of_token = [i for i, n in enumerate(batch.lens) for _ in range(n)]
                 table = table[torch.tensor(seq_of_token, device=table.device)]
             out_lat = mla_decode_paged(query, cache, table, lengths, batch.block_size, c.softmax_scale, c.kv_lora_rank,
-                                       max_length=bound)
+                                       max_length=bound, tuning=self.tuning.decode)
         else:
             if bound is not None:  # device lengths: only the kernel path reads them (a CUDA-graph step)
                 raise ValueError("a decode batch with lengths on the device (StaticDecodeBatch) needs the CUDA kernel "
