@@ -161,6 +161,8 @@ def add_serve_parser(sub) -> None:
                    help="most tokens of prompt + output per request (default: the model's context)")
     s.add_argument("--kv-cache-mib", type=float, default=None,
                    help="KV cache size in MiB (default: 90%% of the GPU's free memory on CUDA, 256 MiB on a CPU)")
+    s.add_argument("--trace", default=None, metavar="FILE",
+                   help="write every scheduler step to FILE as JSON lines (default: no trace)")
 
 
 def serve_command(args) -> int:
@@ -184,7 +186,8 @@ def serve_command(args) -> int:
     else:
         size = {"kv_cache_mib": 256.0 if args.kv_cache_mib is None else args.kv_cache_mib}
     try:
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, **size)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, trace=args.trace,
+                  **size)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -177,13 +177,14 @@ def test_64_concurrent_streams_share_the_batch_and_each_gets_its_offline_output(
           f"p99 {ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] * 1e3:.0f} ms")
 
 
-def test_the_serve_command_answers_and_stops(tmp_path):
+def test_the_serve_command_answers_traces_and_stops(tmp_path):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
+    trace = tmp_path / "steps.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "dsv2_lib", "serve", "--device", "cpu", "--port", str(port),
-                             "--kv-cache-mib", "2"], stderr=subprocess.PIPE, text=True)
+                             "--kv-cache-mib", "2", "--trace", str(trace)], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120  # a hang guard
         while True:
@@ -195,6 +196,9 @@ def test_the_serve_command_answers_and_stops(tmp_path):
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
         assert r.json()["data"][0]["id"] == "tiny"
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert [json.loads(line)["event"] for line in trace.read_text().splitlines()][-1] == "finish"
     finally:
         proc.terminate()
         proc.wait(60)

@@ -3,7 +3,7 @@ static vs continuous timelines step by step, rejection of a request larger than 
 stops, prefix sharing, optimistic admission with preemption by recompute, statistics, and the
 property that scheduling never changes what a request generates. These tests run without a token
 budget (``max_num_batched_tokens=None``: whole prompts, a step all prefill or all decode); chunked
-prefill under a budget is tested in test_chunked_prefill.py, and the property test covers both."""
+prefill under a budget is tested in test_scheduler_chunked.py, and the property test covers both."""
 import re
 
 import pytest
