@@ -104,7 +104,7 @@ def create_app(engine: LiveEngine, model_name: str) -> FastAPI:
                     "finish_reason": reason}
 
         if body.stream:
-            return _sse(events, handle, request, lambda e: {"id": rid, "object": kind, "created": int(time.time()),
+            return _sse(events, handle, lambda e, first: {"id": rid, "object": kind, "created": int(time.time()),
                                                             "model": model_name,
                                                             "choices": [choice(e.piece or "", _one(e), e.finish_reason)]})
         text, lps, reason, n_out = await _collect(events, handle, request)
@@ -130,7 +130,7 @@ def create_app(engine: LiveEngine, model_name: str) -> FastAPI:
                     "choices": [{"index": 0, "delta": delta, "logprobs": lps, "finish_reason": e.finish_reason}]}
 
         if body.stream:
-            return _sse(events, handle, request, chunk, with_first=True)
+            return _sse(events, handle, chunk)
         text, lps, reason, n_out = await _collect(events, handle, request)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
@@ -192,9 +192,9 @@ async def _collect(events: asyncio.Queue, handle, request: Request):
             return "".join(pieces), lps, e.finish_reason, n
 
 
-def _sse(events: asyncio.Queue, handle, request: Request, render, with_first: bool = False) -> StreamingResponse:
-    """Server-sent events: one ``data:`` line per event, then ``data: [DONE]``; a client that goes away
-    (the response is cancelled) aborts the request."""
+def _sse(events: asyncio.Queue, handle, render) -> StreamingResponse:
+    """Server-sent events: one ``data:`` line per event, ``render(event, first)`` (``first``: the answer's
+    first chunk), then ``data: [DONE]``; a client that goes away (the response is cancelled) aborts the request."""
 
     async def body() -> AsyncIterator[str]:
         first, finished = True, False
@@ -205,7 +205,7 @@ def _sse(events: asyncio.Queue, handle, request: Request, render, with_first: bo
                 if e.finish_reason == "error":
                     yield f"data: {json.dumps({'error': {'message': e.error, 'type': 'server_error'}})}\n\n"
                     break
-                yield f"data: {json.dumps(render(e, first) if with_first else render(e))}\n\n"
+                yield f"data: {json.dumps(render(e, first))}\n\n"
                 first = False
             yield "data: [DONE]\n\n"
         finally:
