@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, metavar="N",
                      help="most tokens one step computes: decodes first, then prompt chunks (chunked prefill)")
     gen.add_argument("--eager", dest="cuda_graphs", action="store_false",
-                     help="launch every kernel from Python (no CUDA graphs for decode steps)")
+                     help="launch every kernel from Python (no CUDA graphs)")
     gen.add_argument("--in-step", dest="async_scheduling", action="store_false",
                      help="read each step's tokens back before planning the next (no host/GPU overlap)")
     gen.add_argument("--stats", action="store_true", help="print the scheduler and cache statistics to stderr")

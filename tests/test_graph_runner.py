@@ -1,17 +1,24 @@
-"""The CUDA-graph decode runner's host side, on the CPU: sizes, the buffers a replay reads, the checks."""
+"""The CUDA-graph runner's host side, on the CPU: sizes, the buffers a replay reads, the checks, and a step
+laid out as graph entries (one per token, prompt chunks included) computing what the eager passes compute."""
+from dataclasses import replace
+
 import pytest
 import torch
 
-from dsv2_lib import TINY
+from dsv2_lib import LLM, TINY
+from dsv2_lib.engine.block_manager import PENDING, BlockManager
 from dsv2_lib.engine.graph_runner import BUCKETS, DecodeBuffers, DecodeGraphRunner, StaticDecodeBatch, bucket
+from dsv2_lib.engine.model_runner import graph_entries
+from dsv2_lib.engine.scheduler import Scheduler
 from dsv2_lib.model.cache import PagedBatch, PagedLatentCache
 
 
 def test_bucket_is_the_smallest_size_that_holds_the_batch():
-    assert [bucket(n) for n in (1, 2, 3, 4, 5, 9, 17, 128, 129, 256)] == [1, 2, 3, 4, 5, 12, 24, 128, 192, 256]
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 9, 17, 128, 129, 256, 257, 512)] == \
+        [1, 2, 3, 4, 5, 12, 24, 128, 192, 256, 384, 512]
     assert bucket(3, (8, 2)) == 8
-    with pytest.raises(ValueError, match="257 exceeds the largest CUDA-graph size 256"):
-        bucket(257)
+    with pytest.raises(ValueError, match="513 exceeds the largest CUDA-graph size 512"):
+        bucket(513)
     assert BUCKETS == tuple(sorted(BUCKETS))
 
 
@@ -92,3 +99,70 @@ def test_runner_needs_a_gpu_and_refuses_what_the_graph_cannot_check():
     ]:
         with pytest.raises((ValueError, IndexError), match=message):
             runner.check(*bad)
+
+
+def mixed_step(llm, cache):
+    """A scheduler step with decode items and a newcomer's prompt chunk: two requests prefilled and
+    decoded once, then a third (sharing the first's 16-token prefix) admitted beside their decodes."""
+
+    sched = Scheduler(BlockManager(cache.num_blocks, cache.block_size))
+    runner = llm.runner
+    prompts = [list(range(2, 22)), list(range(40, 47)), [*range(2, 18), *range(90, 101)]]
+    for p in prompts[:2]:
+        sched.add_request(p, 8)
+    for _ in range(2):  # the two prompts, then one decode step each
+        work = sched.schedule()
+        picks = runner.step(work, cache).argmax(-1).tolist()
+        sched.update(work, picks)
+    sched.add_request(prompts[2], 8)
+    work = sched.schedule()
+    return work
+
+
+def test_a_step_laid_out_as_graph_entries_one_per_token():
+
+    llm = LLM("tiny", device="cpu", dtype="float32", kv_cache_mib=4)
+    cache = llm.runner.cache
+    work = mixed_step(llm, cache)
+    assert [w.prefill for w in work] == [False, False, True]
+    chunk = work[2]
+    assert chunk.positions.start == 16 and len(chunk.token_ids) == 11  # 16 prompt tokens found in the prefix cache
+    e = graph_entries(work)
+    assert e.token_ids == [work[0].token_ids[0], work[1].token_ids[0], *range(90, 101)]
+    assert e.starts == [21, 8, *range(16, 27)]
+    assert e.slots == [*work[0].slots, *work[1].slots, *chunk.slots]
+    assert e.block_tables == [work[0].block_table, work[1].block_table] + [chunk.block_table] * 11
+    assert e.samples == [0, 1, 12] and e.sources == [-1] * 13
+    # one step ahead: a decode token still PENDING names its request's row of the step before's picks
+
+    ahead = [replace(work[0], token_ids=(PENDING,)), work[1], chunk]
+    assert graph_entries(ahead, {work[0].request.id: 1, work[1].request.id: 0}).sources == [1] + [-1] * 12
+
+
+def test_graph_entries_compute_the_same_step_as_the_eager_passes():
+    """What a replay computes, checked on the CPU in fp32: the step's tokens as decode entries of one
+    PagedBatch (each attending over its first position + 1 rows, prompt tokens included) give the same
+    logits and cache rows as the runner's eager passes (the decode items, then the prompt chunk through
+    prefill attention): the entries keep attention causal."""
+
+    llm = LLM("tiny", device="cpu", dtype="float32", kv_cache_mib=4)
+    cache = llm.runner.cache
+    work = mixed_step(llm, cache)
+    before = cache.rows.clone()
+    want = llm.runner.step(work, cache)
+    want_rows = cache.rows.clone()
+    cache.rows.copy_(before)
+    e = graph_entries(work)
+    batch = PagedBatch(starts=tuple(e.starts), lens=(1,) * len(e.starts), block_tables=tuple(e.block_tables),
+                       block_size=cache.block_size, slots=tuple(e.slots), decode=True)
+    got = llm.model.compute_logits(llm.model(torch.tensor(e.token_ids), batch, cache))[e.samples]
+    assert want.shape == got.shape == (3, llm.config.vocab_size)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cache.rows, want_rows, rtol=1e-5, atol=1e-5)
+    # the chunk's entries attend causally: with its tokens in another order the last entry's logits change
+    batch_rev = PagedBatch(starts=tuple(e.starts[:2]) + tuple(reversed(e.starts[2:])), lens=batch.lens,
+                           block_tables=batch.block_tables, block_size=cache.block_size,
+                           slots=tuple(e.slots[:2]) + tuple(reversed(e.slots[2:])), decode=True)
+    cache.rows.copy_(before)
+    other = llm.model.compute_logits(llm.model(torch.tensor(e.token_ids), batch_rev, cache))[e.samples]
+    assert not torch.allclose(other[2], want[2], atol=1e-3)

@@ -320,3 +320,42 @@ def test_fuzz_well_formed_headers_are_accepted(specs, shuffle):
     n, _, infos = read_header(path)
     assert list(infos) == [k for k, _ in items]
     assert_same_as_package(path)
+
+
+def test_copied_tensors_outlive_a_truncated_file_and_views_share_the_map(tmp_path):
+    """``copy=True``: every tensor is read into memory of its own, so truncating (or rewriting) the file
+    afterwards changes nothing; the zero-copy views (the default) share one map of the file instead, the
+    contract under which a truncated file is the reader's SIGBUS (the docstring). A file that shrank
+    between the header check and the read is refused by name."""
+    path = tmp_path / "a.safetensors"
+    want = {"x": torch.arange(6, dtype=torch.float32), "y": torch.ones(3, 2, dtype=torch.bfloat16)}
+    save_file(want, path)
+    copied = load_tensors(path, copy=True)
+    views = load_tensors(path)
+    buffers = {t.untyped_storage().data_ptr() for t in copied.values()}
+    assert len(buffers) == 2 and not buffers & {t.untyped_storage().data_ptr() for t in views.values()}
+    del views
+    with open(path, "r+b") as f:
+        f.truncate(16)
+    for name, t in want.items():
+        assert torch.equal(copied[name], t), name
+    copied["x"][0] = 5.0  # its own memory: writable
+    assert copied["x"][0] == 5.0
+
+
+def test_a_file_that_shrinks_under_a_copying_read_is_refused(tmp_path, monkeypatch):
+    import dsv2_lib.core.safetensors_io as io
+
+    path = tmp_path / "a.safetensors"
+    save_file({"x": torch.arange(6, dtype=torch.float32)}, path)
+    header = io.read_header(path)
+
+    def read_then_truncate(p):
+        with open(p, "r+b") as f:
+            f.truncate(8 + header[0] + 4)  # keeps one of x's six floats
+        return header
+
+    monkeypatch.setattr(io, "read_header", read_then_truncate)
+    with pytest.raises(SafetensorsFormatError, match="tensor 'x': the file shrank while it was being read") as e:
+        load_tensors(path, copy=True)
+    assert str(path) in str(e.value)

@@ -176,27 +176,40 @@ def read_header(path: str | Path) -> tuple[int, dict[str, str], dict[str, Tensor
     return n, metadata, tensors
 
 
-def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file as a zero-copy CPU view of a memory map of the file.
+def load_tensors(path: str | Path, copy: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file as a CPU tensor: zero-copy views of a memory map of the file,
+    or with ``copy=True`` tensors of their own, read from the file.
 
-    The file is mapped copy-on-write (``mmap.ACCESS_COPY``): reading a tensor reads the page cache,
-    nothing is copied until a page is written, and writes never reach the file. Each tensor keeps the
-    map alive. Validation is :func:`read_header`'s.
+    The map is copy-on-write (``mmap.ACCESS_COPY``): reading a tensor reads the page cache, nothing is
+    copied until a page is written, and writes never reach the file. Each view keeps the map alive and
+    reads the file's pages when touched, so the file must stay as it is while a view is in use: a file
+    truncated under a live view ends the process with SIGBUS (as any memory-mapped reader, numpy's
+    and the ``safetensors`` package's included). ``copy=True`` reads every tensor at once and keeps no
+    map, for files that may change (a tensor the file no longer holds is refused). Validation is
+    :func:`read_header`'s.
     """
     n, _, infos = read_header(path)
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     data_start = 8 + n
-    if mm.size() < data_start + max((t.end for t in infos.values()), default=0):
-        raise SafetensorsFormatError(f"{path}: file shrank while it was being opened")
-    out = {}
-    for name, t in infos.items():
-        dtype = TORCH_DTYPES[t.dtype]
-        if t.nbytes == 0:  # frombuffer refuses a zero-length view; an empty tensor has no bytes to share
-            out[name] = torch.empty(t.shape, dtype=dtype)
-            continue
-        raw = torch.frombuffer(mm, dtype=torch.uint8, count=t.nbytes, offset=data_start + t.start)
-        out[name] = raw.view(dtype).reshape(t.shape)
+    end = data_start + max((t.end for t in infos.values()), default=0)
+    with open(path, "rb") as f:
+        mm = None if copy else mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        if mm is not None and mm.size() < end:
+            raise SafetensorsFormatError(f"{path}: file shrank while it was being opened")
+        out = {}
+        for name, t in infos.items():
+            dtype = TORCH_DTYPES[t.dtype]
+            if t.nbytes == 0:  # frombuffer refuses a zero-length view; an empty tensor has no bytes to share
+                out[name] = torch.empty(t.shape, dtype=dtype)
+                continue
+            if copy:
+                buf = bytearray(t.nbytes)
+                f.seek(data_start + t.start)
+                if f.readinto(buf) != t.nbytes:
+                    raise SafetensorsFormatError(f"{path}: tensor {name!r}: the file shrank while it was being read")
+                raw = torch.frombuffer(buf, dtype=torch.uint8)
+            else:
+                raw = torch.frombuffer(mm, dtype=torch.uint8, count=t.nbytes, offset=data_start + t.start)
+            out[name] = raw.view(dtype).reshape(t.shape)
     return out
 
 

@@ -1,4 +1,4 @@
-"""CUDA-graph decode (chapter 14): a decode step captured once per batch size, replayed with new inputs.
+"""CUDA-graph steps (chapter 14): a step captured once per number of tokens, replayed with new inputs.
 
 A DeepSeek-V2-Lite decode step is hundreds of kernel launches; launched one by one from Python each
 costs microseconds of CPU time, more than the GPU needs for most of them at small batch. A CUDA graph
@@ -11,7 +11,9 @@ inputs live in fixed device buffers, written before each replay:
 * ``block_table`` ``[n, width]`` (int32): each entry's blocks, padded with -1;
 * ``logits`` ``[n, vocab]`` (fp32): the graph's output.
 
-A step of ``B`` requests runs in the graph of the smallest captured size ``n >= B`` (``BUCKETS``); the
+An entry is one token: a decode token, or one of a prompt chunk's tokens, which attends over the rows
+up to its own position like any decode token (:mod:`~dsv2_lib.engine.model_runner` lays a step out so).
+A step of ``B`` entries runs in the graph of the smallest captured size ``n >= B`` (``BUCKETS``); the
 ``n - B`` padding entries write no cache row (slot -1), attend over nothing (length 0) and their logits
 are dropped. Everything the model decides on the host is fixed per size: every entry brings one token,
 the attention bound is the cache's ``max_len`` (the balanced schedule of chapter 13 follows the real
@@ -28,8 +30,9 @@ import torch
 from dsv2_lib.model.cache import PagedBatch, PagedLatentCache
 
 # Every size up to 8, where a step is bound by weight bytes and a padding entry's own expert picks
-# would cost the most (doubling, a step of 3 padded to 4 reads ~21 % more: chapter 14), then about ×1.5.
-BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# would cost the most (doubling, a step of 3 padded to 4 reads ~21 % more: chapter 14), then about ×1.5,
+# up to 512 entries: a step's prompt chunks ride in the graph too, a token per entry (model_runner).
+BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 def bucket(n: int, buckets: Sequence[int] = BUCKETS) -> int:
@@ -144,10 +147,10 @@ class StaticDecodeBatch(PagedBatch):
 
 
 class DecodeGraphRunner:
-    """Decode steps of a model over one :class:`PagedLatentCache`, through CUDA graphs captured lazily,
+    """Steps of a model over one :class:`PagedLatentCache`, a token per entry, through CUDA graphs captured lazily,
     one per size in ``buckets`` (``capture=False``: the same padded static step, run eagerly — for
     debugging and for the book's comparison). ``runner(token_ids, starts, block_tables, slots)`` returns
-    the logits ``[B, vocab]`` (fp32) of a step of ``B`` decoding entries."""
+    the logits ``[B, vocab]`` (fp32) of a step of ``B`` entries."""
 
     def __init__(self, model, cache: PagedLatentCache, buckets: Sequence[int] = BUCKETS, capture: bool = True):
         if cache.rows.device.type != "cuda":

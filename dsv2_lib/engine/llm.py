@@ -94,8 +94,8 @@ class LLM:
     once, when the LLM is built (requests then wait for blocks); ``gpu_memory_utilization`` (CUDA only) sizes it once,
     after loading the weights, to what that fraction of the GPU's memory leaves
     (:meth:`PagedLatentCache.from_gpu_memory`); neither: sized at each run to hold every request's worst
-    case at once. After a run, ``last_stats`` holds its :class:`RunStats`. ``cuda_graphs``: decode steps
-    on a GPU (bf16/fp16) replay CUDA graphs (:class:`~dsv2_lib.engine.graph_runner.DecodeGraphRunner`); False runs
+    case at once. After a run, ``last_stats`` holds its :class:`RunStats`. ``cuda_graphs``: steps of up to
+    512 tokens on a GPU (bf16/fp16), decodes and prompt chunks alike, replay CUDA graphs (:class:`~dsv2_lib.engine.graph_runner.DecodeGraphRunner`); False runs
     every launch from Python (eager), for debugging and comparison. ``async_scheduling`` (with
     ``admission="reserve"``): the host plans and launches step t+1 before it reads step t's tokens
     back, so its scheduling work overlaps the GPU's (:mod:`~dsv2_lib.engine.step_loop`). The tokens are those of

@@ -61,7 +61,7 @@ class Request:
     max_tokens: int
     output: list[int] = field(default_factory=list)
     status: str = "waiting"  # waiting -> running -> finished; running -> waiting when preempted
-    finish_reason: str | None = None  # "stop" (the caller's decision) or "length" (max_tokens reached)
+    finish_reason: str | None = None  # "stop" (the caller's decision), "length" (max_tokens reached) or "abort" (abort())
     arrival_step: int = 0
     admitted_step: int | None = None
     finished_step: int | None = None

@@ -4,8 +4,8 @@ Four kinds of line, each with an ``"event"``: ``"run"`` when a run starts (reque
 count from 0 again); ``"add"`` when a request is queued (its prompt length
 and ``max_tokens``); ``"step"`` when a step is planned (its work items: request, ``prefill`` or
 ``decode``, first position, tokens, prompt tokens found in the prefix cache at admission; the
-requests preempted; blocks allocated to the items and in use after planning; the CUDA graph
-bucket a decode batch ran in, and its padding); ``"finish"`` when a request ends (the step, the
+requests preempted; blocks allocated to the items and in use after planning; the CUDA graph the step
+ran as, its entries (one per token) and the captured size that held them); ``"finish"`` when a request ends (the step, the
 reason, the blocks it gave back). Chapter 11 draws its Gantt chart from such a file.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ class StepTrace:
         self._write(event="add", request=r.id, prompt_tokens=len(r.prompt), max_tokens=r.max_tokens)
 
     def step(self, sched: Scheduler, work: list[Work], graph: tuple[int, int] | None) -> None:
-        """Step ``sched.steps - 1``, just planned; ``graph``: ``(decode batch, bucket)`` when it ran as a graph."""
+        """Step ``sched.steps - 1``, just planned; ``graph``: ``(entries, bucket)`` when it (or its decode items) ran as a graph."""
         preempted = [rid for rid, r in self._running.items() if r.preemptions > self._seen[rid][0]]
         freed = sum(self._blocks.pop(rid, 0) for rid in preempted)
         allocated, items = 0, []
@@ -54,7 +54,7 @@ class StepTrace:
         self._write(event="step", step=sched.steps - 1, items=items, preempted=preempted, waiting=len(sched.waiting),
                     blocks={"allocated": allocated, "freed_by_preemption": freed,
                             "used": sched.blocks.num_blocks - sched.blocks.num_free_blocks},
-                    graph=None if graph is None else {"batch": graph[0], "bucket": graph[1]})
+                    graph=None if graph is None else {"entries": graph[0], "bucket": graph[1]})
 
     def finished(self, r: Request) -> None:
         self._running.pop(r.id, None)

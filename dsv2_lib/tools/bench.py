@@ -54,7 +54,7 @@ class BenchConfig:
     repeats: int = 5
     transformers: bool = True
     seed: int = 0
-    cuda_graphs: bool = True  # ours: decode steps as CUDA graphs (False: eager, every launch from Python)
+    cuda_graphs: bool = True  # ours: steps of <= 512 tokens as CUDA graphs (False: eager, every launch from Python)
     async_scheduling: bool = True  # ours: step t+1 planned and launched before step t's tokens are read back
     gpu_memory_utilization: float | None = 0.85  # ours on a GPU: one KV pool for the whole run (graphs kept)
 
