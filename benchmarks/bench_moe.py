@@ -21,7 +21,8 @@ V2-Lite's shape: 64 routed experts x 1408, top-6, 2 shared experts, hidden 2048,
    gate|up beside it, the shared experts as GEMV choices: the default) or cuBLAS's router GEMV +
    ``topk_softmax`` + the GEMV kernels, with the shared MLP on the side stream; whole layer.
 
-It ends with the ``MoETuning(...)`` that sections 2 and 4 recommend (``recommend``).
+It ends with the ``MoETuning(...)`` that sections 2 and 4 recommend (``recommend_moe`` of
+``dsv2_lib/tools/calibrate.py``, which ``python -m dsv2_lib calibrate`` runs on a GPU's own sweep).
 """
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ from dsv2_lib.model.moe import MoE
 from dsv2_lib.ops.moe_experts import MoETuning, moe_experts, routed_experts
 from dsv2_lib.ops.moe_routing import route
 from dsv2_lib.tools.benchmark import time_cuda, time_cuda_graph
+from dsv2_lib.tools.calibrate import MOE_FORCE as FORCE
+from dsv2_lib.tools.calibrate import MOE_PATHS, NEVER
+from dsv2_lib.tools.calibrate import recommend_moe as recommend
 
 SIZES = (1, 32, 512, 4096)
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
@@ -88,48 +92,8 @@ def flops(t: int) -> float:
     return t * (K + S) * 3 * 2 * H * I
 
 
-NEVER = 10**9  # a token count no batch reaches
-ENGINE_PATHS = ("gemv", "skinny", "mma", "grouped_mm")  # what moe_experts can take (choose_path's names)
+ENGINE_PATHS = MOE_PATHS  # what moe_experts can take (choose_path's names)
 PATHS = ENGINE_PATHS[:1] + ("gemv_grouped",) + ENGINE_PATHS[1:]  # and chapter 08's grouped GEMV
-FORCE = {"gemv": MoETuning(gemv_max_tokens=NEVER, skinny_max_tokens=0, grouped_mm_min_tokens=NEVER),
-         "skinny": MoETuning(gemv_max_tokens=0, skinny_max_tokens=NEVER, grouped_mm_min_tokens=NEVER),
-         "mma": MoETuning(gemv_max_tokens=0, skinny_max_tokens=0, grouped_mm_min_tokens=NEVER),
-         "grouped_mm": MoETuning(gemv_max_tokens=0, skinny_max_tokens=0, grouped_mm_min_tokens=1)}
-
-
-def leading_run(rows: list[dict], wins) -> int:
-    """The tokens of the last row of the leading run of ``rows`` where ``wins(row)`` (0: none)."""
-    last = 0
-    for r in rows:
-        if not wins(r):
-            break
-        last = r["tokens"]
-    return last
-
-
-def recommend(sweep: list[dict], streams: list[dict] = (), base: MoETuning = MoETuning()) -> MoETuning:
-    """The ``MoETuning`` the sweeps recommend; sets each sweep row's ``"fastest"`` of the paths the engine
-    can take. ``sweep``: routed experts alone, each path forced (rows ``{"tokens", "<path>_ms"}`` in
-    increasing tokens, a path absent where it was not run); ``streams``: the whole layer with the shared
-    experts on a side stream or not (rows ``{"tokens", "side_ms", "one_ms"}``).
-    The GEMV up to the last size of the leading run where it is fastest; then the skinny GEMM up to the
-    last size of the run that follows where it is fastest (0: no such run); beyond, grouped_mm from the
-    first size where it beats mma at every larger size (1: at every size the kernels before it do not
-    take; ``NEVER``: at none); the side stream up to the end of its leading run of wins. What the sweeps
-    did not measure (no grouped_mm, no streams) keeps ``base``'s value."""
-    for r in sweep:
-        r["fastest"] = min((r[n + "_ms"], n) for n in ENGINE_PATHS if n + "_ms" in r)[1]
-    gemv_max = leading_run(sweep, lambda r: r["fastest"] == "gemv")
-    skinny_max = leading_run([r for r in sweep if r["tokens"] > gemv_max], lambda r: r["fastest"] == "skinny")
-    beyond = [r for r in sweep if r["tokens"] > max(gemv_max, skinny_max) and "grouped_mm_ms" in r]
-    mm_min = next((r["tokens"] for i, r in enumerate(beyond)
-                   if all(b["grouped_mm_ms"] < b["mma_ms"] for b in beyond[i:])), NEVER)
-    if beyond and mm_min == beyond[0]["tokens"]:
-        mm_min = 1
-    side_max = leading_run(streams, lambda r: r["side_ms"] < r["one_ms"]) if streams else base.shared_stream_max_tokens
-    return dataclasses.replace(base, gemv_max_tokens=gemv_max, skinny_max_tokens=skinny_max,
-                               grouped_mm_min_tokens=mm_min if beyond else base.grouped_mm_min_tokens,
-                               shared_stream_max_tokens=side_max)
 
 
 def main() -> None:

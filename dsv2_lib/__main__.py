@@ -64,8 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="read each step's tokens back before planning the next (no host/GPU overlap)")
     gen.add_argument("--stats", action="store_true", help="print the scheduler and cache statistics to stderr")
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated (one prompt)")
+    gen.add_argument("--tuning", default=None, metavar="FILE",
+                     help="kernel-path thresholds measured by `calibrate` (default: the H200's)")
     add_serve_parser(sub)
     add_bench_parser(sub)
+    add_calibrate_parser(sub)
     from dsv2_lib.tools.diff import add_diff_parser
 
     add_diff_parser(sub, HelpFormatter)
@@ -93,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_command(args)
     if args.command == "serve":
         return serve_command(args)
+    if args.command == "calibrate":
+        return calibrate_command(args)
     if args.command == "diff":
         from dsv2_lib.tools.diff import diff_command
 
@@ -113,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                                 top_p=args.top_p, seed=args.seed)
         llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_mib=args.kv_cache_mib,
                   scheduling=args.scheduling or "continuous", max_num_batched_tokens=args.max_num_batched_tokens,
-                  cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling)
+                  cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling, tuning=tuning_of(args))
         if args.stream:
             return stream_one(llm, args.prompts[0], params, args.stats)
         outputs = llm.generate(list(args.prompts), params)
@@ -129,6 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.stats:
         print(llm.last_stats.summary(), file=sys.stderr)
     return 2 if any(out.error is not None for out in outputs) else 0
+
+
+def tuning_of(args):
+    """The ``Tuning`` of ``--tuning FILE`` (``None``: the defaults); a bad file raises ``ValueError``."""
+    from dsv2_lib.tools.calibrate import load_tuning
+
+    return None if args.tuning is None else load_tuning(args.tuning)
 
 
 def stream_one(llm, prompt: str, params, stats: bool) -> int:
@@ -161,6 +173,8 @@ def add_serve_parser(sub) -> None:
                    help="most tokens of prompt + output per request (default: the model's context)")
     s.add_argument("--kv-cache-mib", type=float, default=None,
                    help="KV cache size in MiB (default: 90%% of the GPU's free memory on CUDA, 256 MiB on a CPU)")
+    s.add_argument("--tuning", default=None, metavar="FILE",
+                   help="kernel-path thresholds measured by `calibrate` (default: the H200's)")
     s.add_argument("--trace", default=None, metavar="FILE",
                    help="write every scheduler step to FILE as JSON lines (default: no trace)")
 
@@ -187,7 +201,7 @@ def serve_command(args) -> int:
         size = {"kv_cache_mib": 256.0 if args.kv_cache_mib is None else args.kv_cache_mib}
     try:
         llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, trace=args.trace,
-                  **size)
+                  tuning=tuning_of(args), **size)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -195,6 +209,34 @@ def serve_command(args) -> int:
     with LiveEngine(llm) as engine:
         print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (OpenAI API); Ctrl-C stops", file=sys.stderr)
         uvicorn.run(create_app(engine, name), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def add_calibrate_parser(sub) -> None:
+    c = sub.add_parser("calibrate", help="measure where the kernel paths cross over on this GPU; write a tuning file",
+                       formatter_class=HelpFormatter,
+                       description="Time the MoE paths, prefill attention (ours vs SDPA) and the projections' GEMV "
+                                   "against cuBLAS on this GPU at DeepSeek-V2-Lite's shapes (about a minute), choose "
+                                   "the thresholds, and write them as JSON for --tuning (chapter 14).")
+    c.add_argument("--out", default="tuning.json", help="the tuning file to write")
+    c.add_argument("--device", default="cuda", help="the CUDA device to measure")
+
+
+def calibrate_command(args) -> int:
+    from dsv2_lib.tools.calibrate import calibrate, save_tuning
+
+    error = device_error(args.device) if args.device.startswith("cuda") else \
+        f"--device {args.device}: calibrate measures CUDA kernels, it needs a CUDA GPU"
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        tuning, measured = calibrate(args.device)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(tuning)
+    print(f"wrote {save_tuning(tuning, args.out, measured)}", file=sys.stderr)
     return 0
 
 
@@ -225,6 +267,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--eager", dest="cuda_graphs", action="store_false", help="ours without CUDA graphs")
     b.add_argument("--in-step", dest="async_scheduling", action="store_false",
                    help="ours without planning a step ahead of the GPU")
+    b.add_argument("--tuning", default=None, metavar="FILE",
+                   help="ours with kernel-path thresholds measured by `calibrate` (default: the H200's)")
     b.add_argument("--out", default="bench_results", help="directory for bench.json and bench.png (the book's "
                                                           "committed record is benchmarks/: write there on purpose)")
 
@@ -247,10 +291,11 @@ def bench_command(args) -> int:
                       prompt_len=args.prompt_len, prefill_batches=tuple(args.prefill_batches),
                       decode_batches=tuple(args.decode_batches), decode_tokens=args.decode_tokens,
                       repeats=args.repeats, transformers=args.transformers, cuda_graphs=args.cuda_graphs,
-                      async_scheduling=args.async_scheduling)
+                      async_scheduling=args.async_scheduling, tuning=args.tuning)
     try:
         if args.model is not None:
             resolve_model(args.model)  # before anything is measured or written
+        tuning_of(args)  # likewise
         record = run(cfg)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

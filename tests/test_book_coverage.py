@@ -27,6 +27,7 @@ NOT_TAUGHT = {
     "layer_map": "appendix C (book/testing.md) shows its picture and describes the layer test",
     "live_engine": "the serving page (book/serving.md) describes it and shows it in use",
     "openai_server": "the serving page (book/serving.md) describes the server and drives it with the openai client",
+    "calibrate": "the real-model page (book/real_model.md) describes the command and its file; chapter 14 names it",
 }
 CHAPTERS = {f"{i:02d}" for i in range(15)} | set("ABCD")
 

@@ -55,7 +55,7 @@ def test_help_of_every_subcommand_gives_each_option_its_default():
 
     parser = build_parser()
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    assert set(subparsers) == {"generate", "serve", "bench", "diff"}
+    assert set(subparsers) == {"generate", "serve", "bench", "diff", "calibrate"}
     for name, sub in subparsers.items():
         formatter = HelpFormatter(prog=name)
         for action in sub._actions:

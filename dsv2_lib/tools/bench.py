@@ -34,6 +34,7 @@ from dsv2_lib.core.config import DEEPSEEK_V2_LITE, load_config
 from dsv2_lib.engine.llm import LLM, resolve_model
 from dsv2_lib.engine.sampling import SamplingParams
 from dsv2_lib.tools import roofline
+from dsv2_lib.tools.calibrate import load_tuning
 from dsv2_lib.tools.random_checkpoint import write_random_checkpoint
 
 
@@ -57,6 +58,7 @@ class BenchConfig:
     cuda_graphs: bool = True  # ours: steps of <= 512 tokens as CUDA graphs (False: eager, every launch from Python)
     async_scheduling: bool = True  # ours: step t+1 planned and launched before step t's tokens are read back
     gpu_memory_utilization: float | None = 0.85  # ours on a GPU: one KV pool for the whole run (graphs kept)
+    tuning: str | None = None  # ours: a file of kernel-path thresholds (python -m dsv2_lib calibrate); None: the H200's
 
 
 @dataclass
@@ -171,7 +173,8 @@ def run(cfg: BenchConfig) -> dict:
 
     peak_reset()
     llm = LLM(path, device=cfg.device, dtype=cfg.dtype, cuda_graphs=cfg.cuda_graphs,
-              async_scheduling=cfg.async_scheduling, gpu_memory_utilization=cfg.gpu_memory_utilization if device.type == "cuda" else None)
+              async_scheduling=cfg.async_scheduling, tuning=None if cfg.tuning is None else load_tuning(cfg.tuning),
+              gpu_memory_utilization=cfg.gpu_memory_utilization if device.type == "cuda" else None)
     results += measure("ours", lambda ids, n: _ours(llm, ids, n), cfg, model_cfg, device,
                        llm.engine_config.max_num_batched_tokens)
     memory["ours"] = peak()
