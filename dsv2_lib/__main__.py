@@ -223,10 +223,14 @@ def add_calibrate_parser(sub) -> None:
 
 
 def calibrate_command(args) -> int:
+    from pathlib import Path
+
     from dsv2_lib.tools.calibrate import calibrate, save_tuning
 
     error = device_error(args.device) if args.device.startswith("cuda") else \
         f"--device {args.device}: calibrate measures CUDA kernels, it needs a CUDA GPU"
+    if not Path(args.out).parent.is_dir():  # before a minute of measuring, not after
+        error = f"--out {args.out}: the directory {str(Path(args.out).parent)!r} does not exist"
     if error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -236,7 +240,11 @@ def calibrate_command(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(tuning)
-    print(f"wrote {save_tuning(tuning, args.out, measured)}", file=sys.stderr)
+    try:
+        print(f"wrote {save_tuning(tuning, args.out, measured)}", file=sys.stderr)
+    except OSError as e:
+        print(f"error: --out {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -195,3 +195,5 @@ def test_calibrate_needs_a_gpu_and_says_so_in_one_line(tmp_path):
         r = run("calibrate", "--out", str(tmp_path / "t.json"))
         assert r.returncode == 2 and "PyTorch sees no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "t.json").exists()
+    r = run("calibrate", "--out", str(tmp_path / "no" / "t.json"))  # checked before the GPU is: any machine
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
