@@ -92,8 +92,7 @@ def flops(t: int) -> float:
     return t * (K + S) * 3 * 2 * H * I
 
 
-ENGINE_PATHS = MOE_PATHS  # what moe_experts can take (choose_path's names)
-PATHS = ENGINE_PATHS[:1] + ("gemv_grouped",) + ENGINE_PATHS[1:]  # and chapter 08's grouped GEMV
+PATHS = MOE_PATHS[:1] + ("gemv_grouped",) + MOE_PATHS[1:]  # the engine's paths and chapter 08's grouped GEMV
 
 
 def main() -> None:

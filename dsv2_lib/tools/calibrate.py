@@ -28,6 +28,7 @@ import torch
 
 from dsv2_lib.model.tuning import Tuning
 from dsv2_lib.ops.moe_experts import MoETuning
+from dsv2_lib.tools.benchmark import time_cuda_graph
 
 NEVER = 10**9  # a token count no step reaches: "never switch"
 MOE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
@@ -168,14 +169,13 @@ def load_tuning(path: str | Path) -> Tuning:
 # ---- measuring on the GPU ---------------------------------------------------------------------------------
 
 def _rotated(make, nbytes: int) -> list[torch.Tensor]:
-    """Enough copies of ``make()`` (``nbytes`` each) to exceed the L2 cache, for a replay to rotate through."""
+    """Enough copies of ``make()`` (``nbytes`` each) to exceed the L2 cache, for a replay to rotate through
+    (the MoE weights, 553 MB, and the attention inputs, read once per call, need none)."""
     return [make() for _ in range(max(1, -(-L2_BYTES // nbytes) + 1))]
 
 
 def _time_rotating(fn, copies: int) -> float:
     """GPU milliseconds of ``fn(i)``, the ``i``-th call reading copy ``i % copies``."""
-    from dsv2_lib.tools.benchmark import time_cuda_graph
-
     state = {"i": 0}
 
     def call():
@@ -206,7 +206,7 @@ def measure_moe(device: torch.device) -> list[dict]:
             if t > MOE_PATH_MAX_TOKENS.get(name, t) or (name == "grouped_mm" and not hasattr(torch, "_grouped_mm")):
                 continue
             force = MOE_FORCE[name]
-            row[name + "_ms"] = _time_rotating(lambda k: moe_experts(x, w, ids, gate_up, down, tuning=force), 1)
+            row[name + "_ms"] = time_cuda_graph(lambda: moe_experts(x, w, ids, gate_up, down, tuning=force), calls=6)
         rows.append(row)
     return rows
 
@@ -223,10 +223,10 @@ def measure_attention(device: torch.device) -> list[dict]:
             return torch.randn(*shape, device=device).to(torch.bfloat16)
         q, k_nope, k_pe, v = r(n, 16, 192), r(n, 16, 128), r(n, 64), r(n, 16, 128)
         cu = [0, n]
-        ours = _time_rotating(lambda k: attention.prefill_attention(q, k_nope, k_pe, v, cu, cu, 0.1,
-                                                                    tuning=kernel_only), 1)
-        sdpa = _time_rotating(lambda k: attention.prefill_attention(q, k_nope, k_pe, v, cu, cu, 0.1,
-                                                                    version="sdpa"), 1)
+        ours = time_cuda_graph(lambda: attention.prefill_attention(q, k_nope, k_pe, v, cu, cu, 0.1,
+                                                                   tuning=kernel_only), calls=6)
+        sdpa = time_cuda_graph(lambda: attention.prefill_attention(q, k_nope, k_pe, v, cu, cu, 0.1, version="sdpa"),
+                               calls=6)
         rows.append({"tokens": n, "kernel_ms": ours, "sdpa_ms": sdpa})
     return rows
 
