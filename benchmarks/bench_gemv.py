@@ -15,7 +15,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from bench_mla_decode import copy_bandwidth, kernel_device, rotated, save
+from bench_mla_decode import copy_bandwidth, kernel_device, save
 
 from dsv2_lib.ops.gemv import GEMV_MAX_TOKENS, TOKENS_COMPILED, linear
 from dsv2_lib.tools import benchmark
@@ -34,7 +34,7 @@ def main() -> int:
     wins = {t: True for t in range(1, TOKENS_COMPILED + 1)}
     for name, (n, k) in SHAPES.items():
         nbytes = n * k * 2
-        weights = rotated(lambda: (torch.randn(n, k, device=dev) / k**0.5).to(torch.bfloat16), nbytes)
+        weights = benchmark.rotated(lambda: (torch.randn(n, k, device=dev) / k**0.5).to(torch.bfloat16), nbytes)
         _, copy_bw = copy_bandwidth(weights, nbytes)
         for t in range(1, TOKENS_COMPILED + 1):
             x = torch.randn(t, k, device=dev).to(torch.bfloat16)

@@ -38,14 +38,6 @@ from dsv2_lib.tools import benchmark
 H, DL, DR, SCALE = 16, 512, 64, 0.1147
 BARS = [(64, 4096), (1, 32768)]
 EXTRA = [(1, 4096), (8, 4096), (32, 8192), (128, 2048), (4, 32768)]
-ROTATE_BYTES = 256 << 20
-
-
-def rotated(make, nbytes: int) -> list[torch.Tensor]:
-    """Enough copies of a tensor of ``nbytes`` (``make()`` builds one) to rotate through 256 MB: L2 serves none."""
-    return [make() for _ in range(max(1, -(-ROTATE_BYTES // nbytes)))]
-
-
 def copy_bandwidth(tensors: list[torch.Tensor], nbytes: int) -> tuple[float, float]:
     """(ms, bytes/s) of ``dst.copy_(src)`` over the rotated ``tensors`` of ``nbytes`` each: bytes read + written."""
     dsts = [torch.empty_like(t) for t in tensors[:2]]
@@ -90,7 +82,7 @@ def main() -> int:
               f" bar default/best")
     for B, L in BARS + EXTRA:
         nbytes = B * L * (DL + DR) * 2
-        caches = rotated(lambda: torch.randn(B, L, DL + DR, device=dev).to(torch.bfloat16), nbytes)
+        caches = benchmark.rotated(lambda: torch.randn(B, L, DL + DR, device=dev).to(torch.bfloat16), nbytes)
         n_rot = len(caches)
         q = (torch.randn(B, H, DL + DR, device=dev) * 0.1).to(torch.bfloat16)
         slots = torch.arange(B, dtype=torch.int32, device=dev)

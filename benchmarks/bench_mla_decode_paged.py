@@ -18,7 +18,7 @@ import sys
 import time
 
 import torch
-from bench_mla_decode import copy_bandwidth, kernel_device, rotated, save
+from bench_mla_decode import copy_bandwidth, kernel_device, save
 
 from dsv2_lib.lessons.mla_decode_split import mla_decode_paged_uniform
 from dsv2_lib.ops.mla_decode import STAGES, DecodeTuning, mla_decode_paged, mla_decode_paged_reference
@@ -43,8 +43,8 @@ class Case:
         num_blocks = sum(self.need)
         self.nbytes = sum(lengths) * (DL + DR) * 2  # cache bytes the kernel reads
         self.pool_bytes = num_blocks * BLOCK * (DL + DR) * 2
-        self.pools = rotated(lambda: torch.randn(num_blocks * BLOCK, DL + DR, device=dev).to(torch.bfloat16),
-                             self.pool_bytes)
+        self.pools = benchmark.rotated(
+            lambda: torch.randn(num_blocks * BLOCK, DL + DR, device=dev).to(torch.bfloat16), self.pool_bytes)
         self.table = self.as_table(torch.randperm(num_blocks, generator=g).tolist(), dev)
         self.in_order = self.as_table(list(range(num_blocks)), dev)  # every entry's rows contiguous in the pool
         self.q = (torch.randn(B, H, DL + DR, device=dev) * 0.1).to(torch.bfloat16)

@@ -42,9 +42,7 @@ from dsv2_lib.model.moe import MoE
 from dsv2_lib.ops.moe_experts import MoETuning, moe_experts, routed_experts
 from dsv2_lib.ops.moe_routing import route
 from dsv2_lib.tools.benchmark import time_cuda, time_cuda_graph
-from dsv2_lib.tools.calibrate import MOE_FORCE as FORCE
-from dsv2_lib.tools.calibrate import MOE_PATHS, NEVER
-from dsv2_lib.tools.calibrate import recommend_moe as recommend
+from dsv2_lib.tools.calibrate import MOE_FORCE, MOE_PATHS, NEVER, recommend_moe
 
 SIZES = (1, 32, 512, 4096)
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
@@ -145,7 +143,7 @@ def main() -> None:
                 if name == "gemv_grouped":
                     run = lambda: moe_grouped.grouped_experts(x, w, ids, gate_up, down)
                 else:
-                    run = lambda: moe_experts(x, w, ids, gate_up, down, tuning=FORCE[name])
+                    run = lambda: moe_experts(x, w, ids, gate_up, down, tuning=MOE_FORCE[name])
                 r[name + "_ms"] = time_cuda_graph(run, calls=3)
             sweep.append(r)
 
@@ -209,7 +207,7 @@ def main() -> None:
                   f"{'MET' if ok else 'FAIL'}; faster than transformers and baseline: {faster}")
     print("\nrouted experts alone, each path forced (ms, GPU time; gemv_grouped = chapter 08's lesson):")
     print(f"{'tokens':>6} " + " ".join(f"{n:>12}" for n in PATHS) + "  fastest")
-    recommended = recommend(sweep, streams)
+    recommended = recommend_moe(sweep, streams)
     for r in sweep:
         print(f"{r['tokens']:>6} " + " ".join(f"{r.get(n + '_ms', float('nan')):>12.4f}" for n in PATHS) + f"  {r['fastest']}")
     print("\nthe grouped GEMV's variants, whole layer (ms, GPU time):")

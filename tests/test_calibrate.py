@@ -6,12 +6,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dsv2_lib import LLM
 from dsv2_lib.model.tuning import Tuning
 from dsv2_lib.ops.attention import AttentionTuning
 from dsv2_lib.ops.mla_decode import DecodeTuning
 from dsv2_lib.ops.moe_experts import MoETuning
+from dsv2_lib.tools import benchmark
 from dsv2_lib.tools.calibrate import NEVER, choose, load_tuning, save_tuning, sdpa_from, tuning_from_dict
 from dsv2_lib.tools.calibrate import recommend_moe as recommend
 
@@ -197,3 +199,17 @@ def test_calibrate_needs_a_gpu_and_says_so_in_one_line(tmp_path):
     assert not (tmp_path / "t.json").exists()
     r = run("calibrate", "--out", str(tmp_path / "no" / "t.json"))  # checked before the GPU is: any machine
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_rotated_fills_the_rotation_bytes_with_fresh_copies():
+    """Enough copies that calls reading them in turn exceed ROTATE_BYTES (at least one), each a new tensor."""
+    made = []
+
+    def make():
+        made.append(torch.zeros(1))
+        return made[-1]
+
+    assert len(benchmark.rotated(make, benchmark.ROTATE_BYTES // 3 + 1)) == 3
+    assert len(benchmark.rotated(make, 2 * benchmark.ROTATE_BYTES)) == 1
+    copies = benchmark.rotated(make, benchmark.ROTATE_BYTES // 4)
+    assert len(copies) == 4 and all(c is m for c, m in zip(copies, made[-4:]))

@@ -3,7 +3,8 @@
 ``time_cuda`` times with CUDA events around many launches (after a warm-up, so compilation and
 caches stay out of the number) and reports the median: for short ops that is the cost of a call
 from Python. ``time_cuda_graph`` replays the calls from a CUDA graph: the GPU's own time. Bandwidth counts the fewest bytes an op
-must move (each input read once, each output written once) over that time.
+must move (each input read once, each output written once) over that time. ``rotated`` makes enough
+copies of an input for successive calls to read it from memory, not from L2, as a model's weights are.
 """
 from __future__ import annotations
 
@@ -42,6 +43,15 @@ def time_cuda_graph(fn: Callable[[], object], calls: int = 20) -> float:
         for _ in range(calls):
             fn()
     return time_cuda(graph.replay, iters=20, inner=5) / calls
+
+
+ROTATE_BYTES = 256 * 2**20  # five times the H200's 50 MB L2
+
+
+def rotated(make: Callable[[], torch.Tensor], nbytes: int) -> list[torch.Tensor]:
+    """Copies of a tensor of ``nbytes`` (``make()`` builds one), enough to fill ``ROTATE_BYTES``: calls that
+    read copy ``i % len(copies)`` in turn find none of them in L2."""
+    return [make() for _ in range(max(1, -(-ROTATE_BYTES // nbytes)))]
 
 
 def bandwidth_fraction(nbytes: int, ms: float, peak: float = H200_BANDWIDTH) -> float:

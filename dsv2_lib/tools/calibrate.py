@@ -28,7 +28,7 @@ import torch
 
 from dsv2_lib.model.tuning import Tuning
 from dsv2_lib.ops.moe_experts import MoETuning
-from dsv2_lib.tools.benchmark import time_cuda_graph
+from dsv2_lib.tools.benchmark import rotated, time_cuda_graph
 
 NEVER = 10**9  # a token count no step reaches: "never switch"
 MOE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
@@ -40,7 +40,6 @@ MOE_FORCE = {"gemv": MoETuning(gemv_max_tokens=NEVER, skinny_max_tokens=0, group
 MOE_PATH_MAX_TOKENS = {"gemv": 64, "skinny": 256}  # the GEMV paths are timed up to here: beyond, far slower
 ATTENTION_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
 PROJECTIONS = {"q_proj": (3072, 2048), "kv_a_proj": (576, 2048), "o_proj": (2048, 2048)}  # V2-Lite's attention
-L2_BYTES = 256 * 2**20  # weights are replicated past this and rotated, so that L2 cannot serve them
 
 
 # ---- choosing thresholds from timings (pure: tested on the CPU) ------------------------------------------
@@ -168,12 +167,6 @@ def load_tuning(path: str | Path) -> Tuning:
 
 # ---- measuring on the GPU ---------------------------------------------------------------------------------
 
-def _rotated(make, nbytes: int) -> list[torch.Tensor]:
-    """Enough copies of ``make()`` (``nbytes`` each) to exceed the L2 cache, for a replay to rotate through
-    (the MoE weights, 553 MB, and the attention inputs, read once per call, need none)."""
-    return [make() for _ in range(max(1, -(-L2_BYTES // nbytes) + 1))]
-
-
 def _time_rotating(fn, copies: int) -> float:
     """GPU milliseconds of ``fn(i)``, the ``i``-th call reading copy ``i % copies``."""
     state = {"i": 0}
@@ -238,7 +231,7 @@ def measure_gemv(device: torch.device) -> list[dict]:
 
     rows = [{"tokens": t, "projections": []} for t in range(1, TOKENS_COMPILED + 1)]
     for name, (n, k) in PROJECTIONS.items():
-        weights = _rotated(lambda: (torch.randn(n, k, device=device) * k**-0.5).to(torch.bfloat16), n * k * 2)
+        weights = rotated(lambda: (torch.randn(n, k, device=device) * k**-0.5).to(torch.bfloat16), n * k * 2)
         for row in rows:
             x = torch.randn(row["tokens"], k, device=device).to(torch.bfloat16)
             t = row["tokens"]
