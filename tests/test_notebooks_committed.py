@@ -34,3 +34,13 @@ def test_provenance_is_a_gpu(path):
     text = "".join("".join(o.get("text", "")) for o in first.get("outputs", []) if o["output_type"] == "stream")
     gpu = [line for line in text.splitlines() if line.startswith("GPU:")]
     assert gpu and "none" not in gpu[0], f"{path.name}: committed outputs must come from a GPU run, got {gpu}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_kernel_exercises_were_graded_on_a_gpu(path):
+    """A kernel exercise's committed verdict ran the kernel: "needs a CUDA GPU" is what grade_kernel
+    prints on a machine without one, which the rendered book must not show."""
+    for cell in code_cells(path):
+        for out in cell.get("outputs", []):
+            text = "".join(out.get("text", "")) if out["output_type"] == "stream" else ""
+            assert "needs a CUDA GPU" not in text, f"{path.name} cell {cell['execution_count']}: {text.strip()}"
