@@ -38,6 +38,8 @@ from dsv2_lib.tools import benchmark
 H, DL, DR, SCALE = 16, 512, 64, 0.1147
 BARS = [(64, 4096), (1, 32768)]
 EXTRA = [(1, 4096), (8, 4096), (32, 8192), (128, 2048), (4, 32768)]
+
+
 def copy_bandwidth(tensors: list[torch.Tensor], nbytes: int) -> tuple[float, float]:
     """(ms, bytes/s) of ``dst.copy_(src)`` over the rotated ``tensors`` of ``nbytes`` each: bytes read + written."""
     dsts = [torch.empty_like(t) for t in tensors[:2]]

@@ -14,8 +14,7 @@ from dsv2_lib.ops.attention import AttentionTuning
 from dsv2_lib.ops.mla_decode import DecodeTuning
 from dsv2_lib.ops.moe_experts import MoETuning
 from dsv2_lib.tools import benchmark
-from dsv2_lib.tools.calibrate import NEVER, choose, load_tuning, save_tuning, sdpa_from, tuning_from_dict
-from dsv2_lib.tools.calibrate import recommend_moe as recommend
+from dsv2_lib.tools.calibrate import NEVER, choose, load_tuning, recommend_moe, save_tuning, sdpa_from, tuning_from_dict
 
 # routed experts alone, each path forced (ms, GPU time) on the H200, before the skinny GEMM; the GEMV paths stop early
 MEASURED = [(1, 0.0427, 0.0557, 0.1781, 0.0837), (2, 0.0710, 0.0857, 0.1908, 0.1173),
@@ -32,7 +31,7 @@ def sweep(rows, names=("gemv", "gemv_grouped", "mma", "grouped_mm")):
 
 def test_the_measured_sweep_recommends_the_gemv_up_to_16_then_grouped_mm():
     s = sweep(MEASURED)
-    assert recommend(s) == MoETuning(gemv_max_tokens=16, skinny_max_tokens=0, grouped_mm_min_tokens=1)
+    assert recommend_moe(s) == MoETuning(gemv_max_tokens=16, skinny_max_tokens=0, grouped_mm_min_tokens=1)
     assert [r["fastest"] for r in s][:6] == ["gemv"] * 5 + ["grouped_mm"]
 
 
@@ -42,19 +41,19 @@ def test_the_grouped_gemv_is_timed_but_never_recommended():
     rows = [(1, 0.05, 0.04, 0.2, 0.1), (8, 0.2, 0.15, 0.3, 0.25), (64, 0.9, 0.8, 0.5, 0.6),
             (512, None, None, 0.7, 0.6), (4096, None, None, 3.0, 1.0)]
     s = sweep(rows)
-    assert recommend(s) == MoETuning(gemv_max_tokens=8, skinny_max_tokens=0, grouped_mm_min_tokens=512)
+    assert recommend_moe(s) == MoETuning(gemv_max_tokens=8, skinny_max_tokens=0, grouped_mm_min_tokens=512)
     assert [r["fastest"] for r in s] == ["gemv", "gemv", "mma", "grouped_mm", "grouped_mm"]
 
 
 def test_no_gemv_run_and_no_grouped_mm_keep_the_base():
     rows = [(1, 0.2, 0.3, 0.1, None), (8, 0.3, 0.4, 0.2, None)]
     base = MoETuning(grouped_mm_min_tokens=7)
-    assert recommend(sweep(rows), base=base) == MoETuning(gemv_max_tokens=0, skinny_max_tokens=0, grouped_mm_min_tokens=7)
+    assert recommend_moe(sweep(rows), base=base) == MoETuning(gemv_max_tokens=0, skinny_max_tokens=0, grouped_mm_min_tokens=7)
 
 
 def test_grouped_mm_never_ahead_of_mma_is_never_taken():
     rows = [(1, 0.05, None, 0.2, 0.3), (512, None, None, 0.7, 0.8)]
-    assert recommend(sweep(rows)).grouped_mm_min_tokens == NEVER
+    assert recommend_moe(sweep(rows)).grouped_mm_min_tokens == NEVER
 
 
 # the same with the skinny GEMM, on the H200
@@ -71,7 +70,7 @@ NAMES = ("gemv", "gemv_grouped", "skinny", "mma", "grouped_mm")
 
 def test_the_measured_sweeps_recommend_the_engine_tuning():
     streams = [{"tokens": t, "side_ms": a, "one_ms": b} for t, a, b in MEASURED_STREAMS]
-    rec = recommend(sweep(MEASURED_SKINNY, NAMES), streams)
+    rec = recommend_moe(sweep(MEASURED_SKINNY, NAMES), streams)
     assert rec == MoETuning(gemv_max_tokens=4, skinny_max_tokens=128, grouped_mm_min_tokens=1, shared_stream_max_tokens=16)
     assert rec == MoETuning()  # the engine is set as measured
 
@@ -82,7 +81,7 @@ def test_the_skinny_gemm_takes_the_run_after_the_gemv():
     rows = [(1, 0.04, 0.05, 0.06, 0.2, 0.1), (8, 0.17, 0.2, 0.18, 0.4, 0.3), (16, 0.29, 0.37, 0.25, 0.5, 0.33),
             (32, 0.47, 0.66, 0.30, 0.67, 0.40), (64, 0.86, 1.2, 0.35, 0.68, 0.40), (128, None, None, 0.45, 0.69, 0.41),
             (512, None, None, 0.40, 0.70, 0.43)]
-    assert recommend(sweep(rows, NAMES)) == MoETuning(gemv_max_tokens=8, skinny_max_tokens=64, grouped_mm_min_tokens=1)
+    assert recommend_moe(sweep(rows, NAMES)) == MoETuning(gemv_max_tokens=8, skinny_max_tokens=64, grouped_mm_min_tokens=1)
 
 
 # ---- the attention and GEMV rules, and choose ------------------------------------------------------------
