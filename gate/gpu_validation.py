@@ -16,7 +16,8 @@ report is complete only when every part ran on the sources being committed.
    out-of-bounds access is caught at the tensor's edge (tests marked ``cuda_graph`` are left out
    there: capture cannot allocate without the caching allocator; so are tests marked ``heavy``, the
    large sizes, which the sanitizers slow down 10-100 times — the same code paths run there at small
-   sizes); each tool's tests are dealt into ``SHARDS`` processes that run side by side, balanced by
+   sizes); each tool's tests are dealt into ``SHARDS`` processes (fewer on a GPU with less memory:
+   ``shard_count``) that run side by side, balanced by
    each test's time in the last run (``gate/sanitizer_seconds.json``, rewritten by each run); racecheck
    leaves out ``large_reference`` tests and runs at most ``RACECHECK_PER_TEST`` parametrizations of
    each test function (see ``spread``); only our kernels' errors count (see ``MEMCHECK_SKIP`` and
@@ -136,6 +137,10 @@ RACECHECK_PER_TEST = 4  # racecheck must instrument cuBLAS too (below): ~5-10 s 
 # run one at a time, each with all of them (side by side, 6 + 8 processes, racecheck's slowest process
 # needed more than its 500 s on 2026-11-29). Tests are dealt by their seconds in the last run (``deal``).
 SHARDS = {"memcheck": 12, "racecheck": 14}
+# GPU memory each sanitized process may need at once (GiB): memcheck runs the kernel tests at full size
+# without the caching allocator; 12 shards fit the H200's 140 GiB, while on an 80 GB H100 they ran out of
+# memory (44 tests failed to allocate). A smaller GPU gets fewer, longer shards (``shard_count``).
+SHARD_GIB = {"memcheck": 11, "racecheck": 5}
 # memcheck does not instrument these kernels (they still run): PyTorch's own (ATen), cuBLAS/CUTLASS and
 # cuDNN. That keeps its runs minutes long. racecheck cannot skip them: excluding a cuBLAS kernel from
 # racecheck crashes it ("Internal Sanitizer Error: failed to handle a hardware exception", measured on
@@ -247,6 +252,12 @@ def shared_memory_tests(kernel_tests: list[str]) -> list[str]:
     return [t for t in kernel_tests if uses_shared(t)]
 
 
+def shard_count(tool: str, gpu_gib: float) -> int:
+    """Processes for ``tool`` on a GPU of ``gpu_gib`` GiB: ``SHARDS[tool]``, fewer where their memory
+    (``SHARD_GIB[tool]`` each) would not fit; at least one."""
+    return max(1, min(SHARDS[tool], int(gpu_gib // SHARD_GIB[tool])))
+
+
 def run_tests(out_dir: Path, xml_dir: Path) -> dict:
     """Part 1: every GPU test."""
     gpu, _ = run_pytest(["-m", "gpu", "--durations=30", "tests"], xml_dir / "gpu.xml", out_dir / "gpu_tests.log",
@@ -255,7 +266,7 @@ def run_tests(out_dir: Path, xml_dir: Path) -> dict:
 
 
 def run_sanitizer(tool: str, out_dir: Path, xml_dir: Path) -> dict:
-    """Part 2 or 3: the tool's tests dealt by their last run's seconds (``deal``) into ``SHARDS[tool]``
+    """Part 2 or 3: the tool's tests dealt by their last run's seconds (``deal``) into ``shard_count``
     processes, side by side; each test's seconds in this run are written back to ``SECONDS``."""
     kernel_tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*_gpu.py"))
     if tool == "memcheck":
@@ -265,7 +276,9 @@ def run_sanitizer(tool: str, out_dir: Path, xml_dir: Path) -> dict:
         ids = spread(collect(racecheck_tests, RACECHECK_MARKERS), RACECHECK_PER_TEST)
         selection = {"racecheck_tests": racecheck_tests, "racecheck_per_test": RACECHECK_PER_TEST}
     timed = json.loads(SECONDS.read_text()) if SECONDS.is_file() else {}
-    shards = deal(ids, SHARDS[tool], timed.get(tool, {}))
+    import torch
+
+    shards = deal(ids, shard_count(tool, torch.cuda.get_device_properties(0).total_memory / 2**30), timed.get(tool, {}))
     ours = our_kernels()
     with concurrent.futures.ThreadPoolExecutor(len(shards)) as pool:
         runs = [pool.submit(sanitizer, tool, shard, xml_dir / f"{tool}{i}.xml", out_dir / f"{tool}{i}.log", ours)

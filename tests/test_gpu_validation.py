@@ -2,6 +2,7 @@
 from gpu_validation import (
     PARTS,
     SANITIZER_MARKERS,
+    SHARDS,
     collect,
     deal,
     junit_seconds,
@@ -9,6 +10,7 @@ from gpu_validation import (
     our_kernels,
     part_ok,
     sanitizer_errors,
+    shard_count,
     spread,
     summed,
 )
@@ -150,6 +152,13 @@ def test_deal_balances_shards_by_the_last_run_and_keeps_the_order():
     assert sorted(sum(seconds[i] for i in s) for s in shards) == [18, 18]  # round-robin would give 16 and 20
     new = ids + ["tests/t.py::g"]                                       # not timed before: the median, 4.5
     assert len(deal(new, 3, seconds)) == 3 and len(deal(ids[:2], 5, {})) == 2
+
+
+def test_a_smaller_gpu_runs_fewer_sanitizer_processes():
+    assert shard_count("memcheck", 139.8) == SHARDS["memcheck"]  # H200
+    assert shard_count("memcheck", 79.2) == 7  # H100: 7 x 11 GiB
+    assert shard_count("racecheck", 79.2) == SHARDS["racecheck"]
+    assert shard_count("memcheck", 8) == 1
 
 
 def test_junit_seconds_are_keyed_by_pytest_id(tmp_path):
