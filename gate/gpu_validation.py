@@ -139,7 +139,7 @@ RACECHECK_PER_TEST = 4  # racecheck must instrument cuBLAS too (below): ~5-10 s 
 SHARDS = {"memcheck": 12, "racecheck": 14}
 # GPU memory each sanitized process may need at once (GiB): memcheck runs the kernel tests at full size
 # without the caching allocator; 12 shards fit the H200's 140 GiB, while on an 80 GB H100 they ran out of
-# memory (44 tests failed to allocate). A smaller GPU gets fewer, longer shards (``shard_count``).
+# memory (32 tests failed and 44 errored). A smaller GPU gets fewer, longer shards (``shard_count``).
 SHARD_GIB = {"memcheck": 11, "racecheck": 5}
 # memcheck does not instrument these kernels (they still run): PyTorch's own (ATen), cuBLAS/CUTLASS and
 # cuDNN. That keeps its runs minutes long. racecheck cannot skip them: excluding a cuBLAS kernel from
