@@ -20,6 +20,17 @@ def test_every_cell_executed_in_order(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_cell_has_its_own_id(path):
+    """nbformat 4.5 cells carry ids (a missing one is a warning today, an error in later nbformat); a cell
+    inserted by a script must get one."""
+    cells = json.loads(path.read_text())["cells"]
+    missing = [i for i, c in enumerate(cells) if not c.get("id")]
+    ids = [c.get("id") for c in cells]
+    assert not missing, f"{path.name}: cells {missing} have no id"
+    assert len(set(ids)) == len(ids), f"{path.name}: repeated cell ids"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_no_error_or_warning_outputs(path):
     for cell in code_cells(path):
         for out in cell.get("outputs", []):
