@@ -139,7 +139,8 @@ RACECHECK_PER_TEST = 4  # racecheck must instrument cuBLAS too (below): ~5-10 s 
 SHARDS = {"memcheck": 12, "racecheck": 14}
 # GPU memory each sanitized process may need at once (GiB): memcheck runs the kernel tests at full size
 # without the caching allocator; 12 shards fit the H200's 140 GiB, while on an 80 GB H100 they ran out of
-# memory (32 tests failed and 44 errored). A smaller GPU gets fewer, longer shards (``shard_count``).
+# memory (32 tests failed and 44 errored). racecheck's 14 ran clean on the H100, so its figure only has to
+# keep them there. A smaller GPU gets fewer, longer shards (``shard_count``).
 SHARD_GIB = {"memcheck": 11, "racecheck": 5}
 # memcheck does not instrument these kernels (they still run): PyTorch's own (ATen), cuBLAS/CUTLASS and
 # cuDNN. That keeps its runs minutes long. racecheck cannot skip them: excluding a cuBLAS kernel from
@@ -278,7 +279,8 @@ def run_sanitizer(tool: str, out_dir: Path, xml_dir: Path) -> dict:
     timed = json.loads(SECONDS.read_text()) if SECONDS.is_file() else {}
     import torch
 
-    shards = deal(ids, shard_count(tool, torch.cuda.get_device_properties(0).total_memory / 2**30), timed.get(tool, {}))
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    shards = deal(ids, shard_count(tool, gpu_gib), timed.get(tool, {}))
     ours = our_kernels()
     with concurrent.futures.ThreadPoolExecutor(len(shards)) as pool:
         runs = [pool.submit(sanitizer, tool, shard, xml_dir / f"{tool}{i}.xml", out_dir / f"{tool}{i}.log", ours)
