@@ -17,6 +17,7 @@ __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + 
 
 template <typename T, bool VEC>
 __global__ void silu_and_mul(T* __restrict__ out, const T* __restrict__ x, int inter, long long stride) {
+    wait_for_prior_grids();
     const T* gate = x + (long long)blockIdx.x * stride;
     const T* up = gate + inter;
     T* dst = out + (long long)blockIdx.x * inter;

@@ -34,6 +34,7 @@ __global__ void __launch_bounds__(TILED_THREADS) attention_prefill_tiled(
     const T* __restrict__ v, const int* __restrict__ cu_q, const int* __restrict__ cu_k, const int* __restrict__ tiles,
     long long sq_t, long long sq_h, long long sk_t, long long sk_h, long long spe_t, long long sv_t, long long sv_h,
     float scale_log2) {
+    wait_for_prior_grids();
     __shared__ float sQ[TQ][QK_PAD];
     __shared__ float sKV[TK][QK_PAD];  // the K tile, then (columns 0..127) the V tile
     __shared__ float sP[TQ][TK + 1];  // +1: the 4 rows a warp reads at one kk fall in different banks

@@ -129,6 +129,7 @@ __global__ void __launch_bounds__(32 * NW, MINB) attention_prefill_mma(
     const T* __restrict__ v, const int* __restrict__ cu_q, const int* __restrict__ cu_k, const int* __restrict__ tiles,
     long long sq_t, long long sq_h, long long sk_t, long long sk_h, long long spe_t, long long sv_t, long long sv_h,
     float scale_log2) {
+    wait_for_prior_grids();
     static_assert(ST == 1 || ST == 2, "one or two K/V buffers");
     constexpr int BQ = 16 * NW, THREADS = 32 * NW;
     extern __shared__ uint4 smem_u4[];  // uint4: 16-byte aligned for cp.async and ldmatrix

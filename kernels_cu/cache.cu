@@ -23,6 +23,7 @@ template <typename T, bool VEC>
 __global__ void __launch_bounds__(cache_write::WARPS * 32) write_cache_rows(
     T* __restrict__ cache, const T* __restrict__ rows, const long long* __restrict__ slot_mapping,
     int num_tokens, int dim, long long row_stride, long long cache_stride, long long num_rows) {
+    wait_for_prior_grids();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long t = (long long)blockIdx.x * cache_write::WARPS + warp;
     if (t >= num_tokens) return;

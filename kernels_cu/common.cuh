@@ -4,6 +4,21 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+// ---- programmatic dependent launch (Hopper and later; chapter 14) -------------------------------
+// Every engine kernel begins with this call. The engine launches a kernel whose body calls it with
+// the programmatic-dependent-launch attribute: the GPU may then schedule the kernel's blocks while the
+// kernel before it on the stream is still finishing, instead of after it has drained. Each block waits
+// here until that kernel has completed and its writes are visible (its predecessor had waited for its
+// own, so everything earlier on the stream is done too), then lets the next kernel's blocks be
+// scheduled in turn: they wait in their own call. Nothing before the call may touch memory that an
+// earlier kernel writes. Launched the ordinary way, or on an older GPU, the call does nothing.
+__device__ __forceinline__ void wait_for_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // ---- scalar conversion: every kernel computes in fp32 and stores in the tensor's dtype ----------
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }

@@ -17,6 +17,7 @@
 template <typename T, bool VEC>
 __global__ void embedding(T* __restrict__ out, const long long* __restrict__ ids, const T* __restrict__ weight,
                           int* __restrict__ bad_pos, int hidden, long long stride, long long vocab) {
+    wait_for_prior_grids();
     const long long t = blockIdx.x;
     const long long id = ids[t];
     const bool valid = id >= 0 && id < vocab;

@@ -24,6 +24,7 @@ template <typename T, int TOKENS>
 __global__ void __launch_bounds__(gemv::WARPS * 32)
 linear_gemv(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w, int N, int K, long long x_stride,
             long long y_stride) {
+    wait_for_prior_grids();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n0 = (blockIdx.x * gemv::WARPS + warp) * 2;
     if (n0 >= N) return;  // no barrier in this kernel

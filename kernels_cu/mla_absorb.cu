@@ -33,6 +33,7 @@ __global__ void __launch_bounds__(QUERY_SPLITS * 16)
 mla_absorb_query(T* __restrict__ query, const T* __restrict__ q_nope, const T* __restrict__ q_pe, const T* __restrict__ w_k,
                  int NOPE, int C, int R, long long nope_t, long long nope_h, long long pe_t, long long pe_h,
                  long long w_head_stride) {
+    wait_for_prior_grids();
     constexpr int N = Vec16<T>::N;  // 8: one thread's columns are one 16-byte vector of a W_k row
     static_assert(N * 16 == QUERY_COLS, "16 column groups of one vector each");
     __shared__ float red[QUERY_SPLITS][QUERY_COLS];
@@ -83,6 +84,7 @@ template <typename T>
 __global__ void __launch_bounds__(OUT_WARPS * 32)
 mla_absorb_output(T* __restrict__ out, const float* __restrict__ o, const T* __restrict__ w_v, int V, int C,
                   long long w_head_stride) {
+    wait_for_prior_grids();
     constexpr int N = Vec16<T>::N;
     const int h = blockIdx.x, H = gridDim.x, t = blockIdx.z, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int v0 = (blockIdx.y * OUT_WARPS + warp) * 2;

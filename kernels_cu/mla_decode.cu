@@ -24,6 +24,7 @@ static_assert(SCHEDULE_THREADS == 32 * 32, "mla_decode_schedule: warp 0 scans th
 // tiles. An entry's length is clamped to max_length; <= 0 gives no tiles.
 __global__ void __launch_bounds__(SCHEDULE_THREADS) mla_decode_schedule(
     int* __restrict__ sched, const int* __restrict__ lengths, int B, int max_length, int workers, int min_tiles) {
+    wait_for_prior_grids();
     __shared__ int warp_sums[32];
     __shared__ int carry;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -75,6 +76,7 @@ __global__ void __launch_bounds__(mla::THREADS) mla_decode_balanced(
     const T* __restrict__ q, const T* __restrict__ cache, const int* __restrict__ lengths,
     const int* __restrict__ sched, int B, int H, int max_length, float scale_log2,
     const int* __restrict__ block_table, int table_width, int block_size, long long num_rows) {
+    wait_for_prior_grids();
     using namespace mla;
     const int worker = blockIdx.x, h0 = blockIdx.z * HEADS;
     const int per = sched[0];
@@ -108,6 +110,7 @@ template <int V>
 __global__ void __launch_bounds__(COMBINE_WARPS * 32) mla_decode_combine_balanced(
     float* __restrict__ out, const float* __restrict__ o_part, const float* __restrict__ lse,
     const int* __restrict__ sched, int dl) {
+    wait_for_prior_grids();
     const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
     const int per = sched[0], e0 = sched[1 + b], e1 = sched[2 + b];
     float* out_row = out + ((long long)b * H + h) * dl;

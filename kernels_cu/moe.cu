@@ -27,6 +27,7 @@
 
 __global__ void topk_softmax(float* __restrict__ weights, long long* __restrict__ ids, const float* __restrict__ logits,
                              int T, int E, int k, int n_group, int topk_group, int renorm, float scale) {
+    wait_for_prior_grids();
     const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t >= T) return;  // whole warps leave together (t is uniform over a warp)
     route_and_store(weights, ids, nullptr, logits, t, E, k, n_group, topk_group, renorm, scale, threadIdx.x & 31);
@@ -48,6 +49,7 @@ __global__ void topk_softmax(float* __restrict__ weights, long long* __restrict_
 __global__ void moe_align(int* __restrict__ sorted_rows, int* __restrict__ slot_of, int* __restrict__ tile_expert,
                           int* __restrict__ offsets, const long long* __restrict__ ids,
                           int n, int E, int block, int max_tiles, int cap) {
+    wait_for_prior_grids();
     extern __shared__ int smem[];
     int* cnt = smem;             // [32][E]
     int* seg = smem + 32 * E;    // [E + 1]
@@ -142,6 +144,7 @@ __global__ void __launch_bounds__(GEMM_THREADS)
 moe_gemm(T* __restrict__ out, const T* __restrict__ a_src, const T* __restrict__ w_all,
          const int* __restrict__ sorted_rows, const int* __restrict__ tile_expert,
          int n_out, int K, int topk) {
+    wait_for_prior_grids();
     const int tile = blockIdx.x;
     const int e = tile_expert[tile];
     if (e < 0) return;  // uniform over the block, before any barrier
@@ -313,6 +316,7 @@ template <typename T, int COLS = GATE_UP_COLS, int VECS = GATE_UP_VECS>
 __global__ void __launch_bounds__(GEMV_THREADS)
 moe_gemv_gate_up(T* __restrict__ h, const T* __restrict__ x, const T* __restrict__ w_all, const long long* __restrict__ ids,
                  int topk, int E, int H, int I) {
+    wait_for_prior_grids();
     const int c = blockIdx.x;
     const long long e = ids[c];
     const bool valid = e >= 0 && e < E;
@@ -338,6 +342,7 @@ moe_route_few(float* __restrict__ weights, long long* __restrict__ ids, float* _
               const T* __restrict__ x, const float* __restrict__ gate_w, int T_, int E, int H, int topk, int n_group,
               int topk_group, int renorm, float scale, unsigned* __restrict__ arrivals, T* __restrict__ h,
               const T* __restrict__ sh_gate_up, int I, int P) {
+    wait_for_prior_grids();
     __shared__ float row[32 * ROUTER_PER_LANE];
     __shared__ bool last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rb = (E + GEMV_WARPS - 1) / GEMV_WARPS;
@@ -406,6 +411,7 @@ __global__ void __launch_bounds__(GEMV_THREADS)
 moe_gemv_down_combine(T* __restrict__ out, const T* __restrict__ h, const T* __restrict__ w_all,
                       const long long* __restrict__ ids, const float* __restrict__ weights, const T* __restrict__ shared,
                       const T* __restrict__ sh_down, int topk, int E, int H, int I, int P) {
+    wait_for_prior_grids();
     static_assert(COLS % 2 == 0 && COLS <= GEMV_THREADS, "column pairs; one combining thread per column");
     extern __shared__ float ys[];  // [topk + P][COLS]
     const int t = blockIdx.x, T_ = gridDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -484,6 +490,7 @@ template <typename T, bool GATE_UP>
 __global__ void __launch_bounds__(SKINNY_WARPS * 32)
 moe_skinny(T* __restrict__ out, const T* __restrict__ a_src, const T* __restrict__ w_all, const int* __restrict__ sorted_rows,
            const int* __restrict__ tile_expert, int n_out, int K, int topk) {
+    wait_for_prior_grids();
     constexpr int NM = GATE_UP ? 2 : 1;  // weight matrices sharing the input: gate and up, or down
     const int tile = blockIdx.x, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int e = tile_expert[tile];
@@ -556,6 +563,7 @@ template <typename T>
 __global__ void moe_combine(T* __restrict__ out, const T* __restrict__ y, const float* __restrict__ weights,
                             const int* __restrict__ slot_of, const T* __restrict__ shared, int topk, int H,
                             const long long* __restrict__ ids, int E) {
+    wait_for_prior_grids();
     constexpr int VEC = Vec16<T>::N;
     const long long t = blockIdx.x;
     const int n = (blockIdx.y * blockDim.x + threadIdx.x) * VEC;

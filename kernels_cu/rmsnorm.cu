@@ -48,6 +48,7 @@ __device__ __forceinline__ void scale_cached_row(T* dst, const Vec16<T> (&v)[ROW
 template <typename T, bool VEC>
 __global__ void rms_norm(T* out, const T* x, const T* __restrict__ w, int dim, long long stride,
                          long long out_stride, float eps) {
+    wait_for_prior_grids();
     const T* row = x + blockIdx.x * stride;
     T* dst = out + blockIdx.x * out_stride;
     if constexpr (VEC) {
@@ -80,6 +81,7 @@ __global__ void rms_norm(T* out, const T* x, const T* __restrict__ w, int dim, l
 template <typename T, bool VEC>
 __global__ void fused_add_rms_norm(T* __restrict__ out, T* __restrict__ residual, const T* __restrict__ x,
                                    const T* __restrict__ w, int dim, float eps) {
+    wait_for_prior_grids();
     const long long base = (long long)blockIdx.x * dim;
     T* res = residual + base;
     const T* xr = x + base;

@@ -31,6 +31,7 @@ template <typename T, bool VEC>
 __global__ void rope(T* __restrict__ q, long long q_row_stride, long long q_head_stride, int heads,
                      T* __restrict__ k, long long k_row_stride, const long long* __restrict__ positions,
                      const float* __restrict__ cache, long long num_positions, int dim) {
+    wait_for_prior_grids();
     const long long t = blockIdx.x;
     const long long pos = positions[t];
     const bool valid = pos >= 0 && pos < num_positions;

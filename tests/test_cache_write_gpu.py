@@ -62,8 +62,9 @@ def test_out_of_range_slots():
 
 def test_write_latent_cache_uses_the_kernel(monkeypatch):
     calls = []
-    launch = kernels.launch
-    monkeypatch.setattr(kernels, "launch", lambda k, *a, **kw: (calls.append(k), launch(k, *a, **kw)))
+    for name in ("launch", "launch_dependent"):  # ordinary, or dependent on a Hopper GPU
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda k, *a, real=real, **kw: (calls.append(k), real(k, *a, **kw)))
     cache = torch.zeros(8, 576, dtype=torch.bfloat16, device="cuda")
     batch = PagedBatch((0, 0), (2, 1), ((1,), (0,)), 4, (5, -1, 2), device="cuda")
     rows = torch.randn(3, 576, device="cuda").to(torch.bfloat16)

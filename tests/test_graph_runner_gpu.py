@@ -134,6 +134,43 @@ def test_side_streams_give_the_same_bits_and_are_waited_for(monkeypatch):
     assert torch.equal(got, want) and torch.equal(cache.rows, want_rows)
 
 
+@pytest.mark.parametrize("capture", [True, False])
+def test_the_layers_of_a_step_share_one_decode_schedule(monkeypatch, capture):
+    """Every layer of a decode step attends over the same lengths, so the schedule kernel runs once per
+    step (PagedBatch.per_step), in a graph and eagerly, and the step gives the same bits as with one
+    schedule per layer. The second step has other lengths in the same static batch: a schedule kept from
+    the first would attend over the wrong rows."""
+    from dsv2_lib.ops import mla_decode
+
+    llm = LLM("tiny", device="cuda", dtype="bfloat16")
+    assert llm.config.num_hidden_layers > 1
+    cache = PagedLatentCache(llm.config, num_blocks=256, block_size=16, dtype=torch.bfloat16, device="cuda", max_len=160)
+    cache.rows.normal_(0, 0.5)
+    g = torch.Generator().manual_seed(3)
+    steps = [random_step(B, cache, g) for B in (4, 4)]
+    before = cache.rows.clone()
+    schedule = mla_decode.mla_decode_schedule
+    launched = []
+
+    def counted(*args):
+        launched.append(args[1:])
+        return schedule(*args)
+
+    monkeypatch.setattr(mla_decode, "mla_decode_schedule", counted)
+    runner = DecodeGraphRunner(llm.model, cache, capture=capture)
+    got = []
+    for step in steps:
+        got.append(runner(*step).clone())
+    # Eagerly one schedule per step; with capture, the first step's warm-up and capture forwards, then replays.
+    assert len(launched) == 2
+
+    monkeypatch.setattr(mla_decode, "_shared_schedule", lambda per_step, *args: schedule(*args))  # one per layer
+    cache.rows.copy_(before)
+    runner = DecodeGraphRunner(llm.model, cache, capture=capture)
+    for step, want in zip(steps, got):
+        assert torch.equal(runner(*step), want)
+
+
 def test_a_step_with_prompt_chunks_runs_as_one_graph_and_agrees_with_the_eager_passes():
     """Decode items and a newcomer's prompt chunk (13 tokens) in one step: one replay of the graph of 16
     entries, against the same step as the runner's eager passes (decode items, then the chunk through

@@ -227,12 +227,18 @@ def test_the_launch_path_orders_the_arguments_and_refuses_a_misspelled_one(monke
         norm.RMSNORM_CU.launch("rms_norm<double, true>", cuda, (1,), (32,), out_stride=np.int64(9), **args)
 
     launched = []  # now as if compiled: the launch primitive gets the values in signature order
-    monkeypatch.setattr(kernels, "_launchers", {})
     monkeypatch.setitem(kernels._functions, ("rmsnorm.cu", name, 0), "compiled")
     monkeypatch.setattr(kernels, "launch", lambda fn, grid, block, values, shared_mem: launched.append((fn, values)))
-    for _ in range(2):
-        norm.RMSNORM_CU.launch(name, cuda, (1,), (32,), out_stride=np.int64(9), **args)
-    assert launched == [("compiled", (1, 2, 3, 8, 8, 9, np.float32(1e-6)))] * 2
+    monkeypatch.setattr(kernels, "launch_dependent",
+                        lambda fn, grid, block, values, shared_mem: launched.append(("dependent", fn, values)))
+    values = (1, 2, 3, 8, 8, 9, np.float32(1e-6))
+    assert norm.RMSNORM_CU.waits(name)  # rms_norm begins with wait_for_prior_grids()
+    for hopper in (False, True):  # a waiting kernel is a programmatic dependent launch where the GPU has it
+        monkeypatch.setattr(kernels, "_launchers", {})
+        monkeypatch.setattr(kernels, "programmatic_launch_supported", lambda index: hopper)
+        for _ in range(2):
+            norm.RMSNORM_CU.launch(name, cuda, (1,), (32,), out_stride=np.int64(9), **args)
+    assert launched == [("compiled", values)] * 2 + [("dependent", "compiled", values)] * 2
     with pytest.raises(TypeError, match=misspelled):
         norm.RMSNORM_CU.launch(name, cuda, (1,), (32,), out_strid=np.int64(9), **args)
     with pytest.raises(TypeError, match="unknown argument 'extra'"):
@@ -253,6 +259,30 @@ def test_signatures_are_read_from_the_file_and_its_headers(tmp_path, monkeypatch
     assert kf.params("in_header<3>") == ("out", "p", "n")
     with pytest.raises(ValueError, match="parameter 'in' cannot be a keyword argument"):
         kernels._signatures(tmp_path / "bad.cu")
+
+
+def test_a_kernel_waits_when_its_body_calls_wait_for_prior_grids(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernels, "KERNEL_DIR", tmp_path)
+    (tmp_path / "h.cuh").write_text("template <int N> __global__ void __launch_bounds__(32 * (N + 1))\n"
+                                    "in_header(float* out) {\n    wait_for_prior_grids();\n    if (N) { out[0] = 1; }\n}\n")
+    (tmp_path / "k.cu").write_text('#include "h.cuh"\n__global__ void plain(float* x) { if (x) { x[0] = 0; } }\n'
+                                   "__global__ void later(float* x) { x[1] = 0; }  // wait_for_prior_grids();\n"
+                                   "__global__ void last(float* x) { { x[0] = 2; } wait_for_prior_grids ( ); }\n")
+    assert kernels._waiting_kernels(tmp_path / "k.cu") == {"in_header", "last"}  # a comment is not a call
+
+
+def test_every_engine_kernel_waits_for_prior_grids_first():
+    """Each engine kernel is a programmatic dependent launch on Hopper: its first statement must be the wait
+    (common.cuh), or it could read what the kernel ahead of it has not finished writing."""
+    for filename, kf in kernel_files().items():
+        if filename.startswith("lessons/"):
+            continue
+        for text in kernels._texts(kernels.KERNEL_DIR / filename):
+            text = kernels._COMMENT.sub(" ", text)
+            for m in kernels._GLOBAL.finditer(text):
+                body = text[text.index("{", m.end()) + 1 :].lstrip()
+                assert body.startswith("wait_for_prior_grids();"), f"{filename}: {m[1]} does not begin with the wait"
+        assert all(kf.waits(name) for name in kf.names), filename
 
 
 def test_each_file_defines_exactly_the_macros_its_source_uses():

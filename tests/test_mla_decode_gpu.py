@@ -238,8 +238,9 @@ def test_engine_decode_attention_uses_the_kernel(dtype, monkeypatch):
     q_pe = torch.randn(3, h, cfg.qk_rope_head_dim, device="cuda").to(dtype)
     assert mla_decode_query_dtype(cache, cfg.kv_lora_rank) == dtype
     calls = []
-    launch = kernels.launch
-    monkeypatch.setattr(kernels, "launch", lambda k, *a, **kw: (calls.append(k), launch(k, *a, **kw)))
+    for name in ("launch", "launch_dependent"):  # ordinary, or dependent on a Hopper GPU
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda k, *a, real=real, **kw: (calls.append(k), real(k, *a, **kw)))
     got = attn.decode_attention(q_nope, q_pe, batch, cache)
     assert calls, "the decode path did not launch the kernel"
     monkeypatch.setenv("DSV2_BACKEND", "torch")

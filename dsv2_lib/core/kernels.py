@@ -9,6 +9,8 @@ Kernels are compiled on first use for the GPU at hand (``sm_XY``) and cached per
 (parsed once from the source) and refuses a missing or unknown one. Launches go to
 ``torch.cuda.current_stream()`` read at each launch, so a whole decode step can be captured in a CUDA
 graph. Pointers travel as ``numpy.uint64``, integers as ``numpy.int32``/``int64``, floats as ``numpy.float32``.
+A kernel that begins with ``wait_for_prior_grids()`` (``common.cuh``; every engine kernel does) is launched as a
+programmatic dependent launch on a Hopper GPU (:func:`launch_dependent`, chapter 14).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import keyword
 import operator
 import os
 import re
+import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,22 +78,31 @@ class KernelFile:
 
         The first launch of a kernel on a device checks the names with :func:`bind` and keeps the compiled
         function with an ``operator.itemgetter`` of the parameter order, so a later launch costs one dict
-        lookup and one C call more than a positional tuple would (hundreds of launches per prefill)."""
+        lookup and one C call more than a positional tuple would (hundreds of launches per prefill). A kernel
+        that waits for the grids before it (:meth:`waits`) goes to :func:`launch_dependent` on a GPU that
+        supports it, every other one to :func:`launch`."""
         key = (self.filename, name, _device_index(device))
         entry = _launchers.get(key)
         if entry is None:
             params = self.params(name)
             bind(params, args, name, self.filename)
             order = operator.itemgetter(*params) if len(params) > 1 else lambda a: tuple(a[p] for p in params)
-            entry = _launchers[key] = (self.function(name, device), order, len(params))
-        fn, order, n = entry
+            dependent = self.waits(name) and programmatic_launch_supported(key[2])
+            entry = _launchers[key] = (self.function(name, device), order, len(params), dependent)
+        fn, order, n, dependent = entry
         try:
             values = order(args)
         except KeyError:
             values = None
         if values is None or len(args) != n:
             bind(self.params(name), args, name, self.filename)  # raises, naming the parameter
-        launch(fn, grid, block, values, shared_mem)
+        (launch_dependent if dependent else launch)(fn, grid, block, values, shared_mem)
+
+    def waits(self, name: str) -> bool:
+        """Whether kernel ``name`` (one of ``names``) calls ``wait_for_prior_grids()`` in its body, so that it
+        may be launched before the kernel ahead of it on the stream has finished."""
+        self._check_declared(name)
+        return name.split("<", 1)[0].strip() in _waiting_kernels(KERNEL_DIR / self.filename)
 
     def _check_declared(self, name: str) -> None:
         if name not in self.names:
@@ -98,7 +111,7 @@ class KernelFile:
 
 _functions: dict[tuple[str, str, int], object] = {}
 _params: dict[tuple[str, str], tuple[str, ...]] = {}
-_launchers: dict[tuple[str, str, int], tuple] = {}  # (file, kernel, device) -> (function, parameter order, count)
+_launchers: dict[tuple[str, str, int], tuple] = {}  # (file, kernel, device) -> (function, order, count, dependent)
 KERNEL_FILES: dict[str, KernelFile] = {}
 
 
@@ -182,6 +195,26 @@ def _signatures(path: Path) -> dict[str, tuple[str, ...]]:
             if found.setdefault(m[1], params) != params:
                 raise ValueError(f"{path.name}: kernel {m[1]} is defined twice with different parameters")
     return found
+
+
+_WAIT = re.compile(r"\bwait_for_prior_grids\s*\(\s*\)")
+
+
+@functools.cache
+def _waiting_kernels(path: Path) -> frozenset[str]:
+    """The ``__global__`` functions of ``path`` and its local headers whose body calls ``wait_for_prior_grids()``."""
+    found = set()
+    for text in _texts(path):
+        text = _COMMENT.sub(" ", text)
+        for m in _GLOBAL.finditer(text):
+            start = text.index("{", m.end())
+            end, depth = start + 1, 1
+            while depth:
+                depth += {"{": 1, "}": -1}.get(text[end], 0)
+                end += 1
+            if _WAIT.search(text, start, end):
+                found.add(m[1])
+    return frozenset(found)
 
 
 def _param_names(plist: str, kernel: str, path: Path) -> tuple[str, ...]:
@@ -316,3 +349,81 @@ def launch(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, s
         stream = _streams[handle] = cupy.cuda.Stream.from_external(_TorchStream(handle))
     with stream:
         kernel(grid, block, args, shared_mem=shared_mem)
+
+
+# ---- programmatic dependent launch -------------------------------------------------------------------
+# cuLaunchKernelEx, which takes launch attributes (CuPy's launch does not), called through ctypes. Its
+# config is CUlaunchConfig: grid x/y/z, block x/y/z, dynamic shared bytes, stream, attribute array and
+# count; the one attribute is CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (6) = 1 (an id, 4 bytes
+# of padding, a 64-byte value union).
+_LAUNCH_CONFIG = struct.Struct("=7I4xQQI4x")
+_PROGRAMMATIC_ATTRIBUTE = struct.pack("=I4xi60x", 6, 1)
+_ARG_CODES = {np.uint64: "Q", np.int64: "q", np.int32: "i", np.float32: "f"}
+_launch_lock = threading.Lock()  # the buffers below are shared: one launch fills and submits them at a time
+
+
+@functools.cache
+def programmatic_launch_supported(device_index: int) -> bool:
+    """Programmatic dependent launch needs compute capability 9.0 (Hopper) or later."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+@functools.cache
+def _driver():
+    """``(cuLaunchKernelEx, config buffer, attribute buffer, cuGetErrorName)`` from libcuda. The buffers are
+    reused by every launch: the driver reads them before the call returns."""
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    launch_ex, error_name = lib.cuLaunchKernelEx, lib.cuGetErrorName
+    launch_ex.argtypes, launch_ex.restype = [ctypes.c_void_p] * 4, ctypes.c_int
+    error_name.argtypes, error_name.restype = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)], ctypes.c_int
+    return (launch_ex, ctypes.create_string_buffer(_LAUNCH_CONFIG.size),
+            ctypes.create_string_buffer(_PROGRAMMATIC_ATTRIBUTE, len(_PROGRAMMATIC_ATTRIBUTE)), error_name)
+
+
+@functools.cache
+def _arg_buffer(types: tuple[type, ...]):
+    """For kernel arguments of these numpy types: ``(packer, buffer, pointers)``. The packer lays the values
+    out at the offsets the kernel's parameter block has (each at a multiple of its size) in ``buffer``;
+    ``pointers`` is the array of argument addresses cuLaunchKernelEx reads."""
+    import ctypes
+
+    fmt, offsets, at = "=", [], 0
+    for t in types:
+        code = _ARG_CODES.get(t)
+        if code is None:
+            raise TypeError(f"kernel argument of type {t.__name__}: pass numpy.uint64 (pointers), numpy.int32, "
+                            "numpy.int64 or numpy.float32")
+        size = struct.calcsize(code)
+        pad = -at % size
+        fmt, at = fmt + "x" * pad + code, at + pad + size
+        offsets.append(at - size)
+    packer = struct.Struct(fmt)
+    buffer = ctypes.create_string_buffer(max(packer.size, 1))
+    pointers = (ctypes.c_void_p * max(len(types), 1))(*(ctypes.addressof(buffer) + o for o in offsets))
+    return packer, buffer, pointers
+
+
+def launch_dependent(kernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
+    """:func:`launch`, as a programmatic dependent launch (Hopper and later): the GPU may schedule the kernel's
+    blocks while the kernel ahead of it on the stream is still running, so the tail of one kernel and the
+    launch of the next overlap instead of following each other. Only for a kernel that begins with
+    ``wait_for_prior_grids()``, which holds each block until the kernel ahead has completed; a CUDA graph
+    captures the overlap as a programmatic edge."""
+    import ctypes
+
+    launch_ex, config, attribute, error_name = _driver()
+    packer, buffer, pointers = _arg_buffer(tuple(map(type, args)))
+    stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+    g, b = (*grid, 1, 1), (*block, 1, 1)
+    with _launch_lock:
+        packer.pack_into(buffer, 0, *args)
+        _LAUNCH_CONFIG.pack_into(config, 0, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, stream,
+                                 ctypes.addressof(attribute), 1)
+        err = launch_ex(config, kernel.kernel.ptr, pointers, None)
+    if err:
+        name = ctypes.c_char_p()
+        error_name(err, ctypes.byref(name))
+        raise RuntimeError(f"cuLaunchKernelEx failed: {(name.value or b'?').decode()} (CUDA error {err}), grid {grid}, "
+                           f"block {block}, {shared_mem} bytes of shared memory")

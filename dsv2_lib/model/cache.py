@@ -91,7 +91,8 @@ class PagedBatch(_Packed):
     + p % block_size``. ``slots[t]`` is the row that packed token ``t``'s cache row is written to
     (-1: not written). The tensors below are built once per step, on ``device``. ``host_checked``: the
     token ids are known to lie in the vocabulary (the engine checked the prompts; the rest are its own
-    samples), so the embedding skips its device check, a sync.
+    samples), so the embedding skips its device check, a sync. ``per_step``: what the layers of one
+    forward step compute once and share (the decode kernel's schedule), emptied at each forward.
     """
 
     starts: tuple[int, ...]
@@ -102,6 +103,8 @@ class PagedBatch(_Packed):
     decode: bool = False
     device: torch.device | str = "cpu"
     host_checked: bool = field(default=False, kw_only=True)
+    # What the layers of one forward step share (the decode schedule): emptied by each forward.
+    per_step: dict = field(default_factory=dict, init=False, repr=False)
 
     @property
     def context_lens(self) -> tuple[int, ...]:

@@ -90,6 +90,7 @@ class DeepseekV2(nn.Module):
         positions = batch.positions(input_ids.device)
         if isinstance(batch, SequenceBatch):
             batch = batch.paged(cache.max_len, input_ids.device)
+        batch.per_step.clear()  # a batch object may serve several steps (a CUDA graph's): nothing carries over
         out, residual = self.model.embed_tokens(input_ids, check=not batch.host_checked), None
         for i, layer in enumerate(self.model.layers):
             out, residual = layer(out, residual, positions, rope_cache, batch, cache.layer(i))

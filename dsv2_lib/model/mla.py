@@ -186,7 +186,7 @@ class MLA(nn.Module):
                 seq_of_token = [i for i, n in enumerate(batch.lens) for _ in range(n)]
                 table = table[torch.tensor(seq_of_token, device=table.device)]
             out_lat = mla_decode_paged(query, cache, table, lengths, batch.block_size, c.softmax_scale, c.kv_lora_rank,
-                                       max_length=bound, tuning=self.tuning.decode)
+                                       max_length=bound, tuning=self.tuning.decode, per_step=batch.per_step)
         else:
             if bound is not None:  # device lengths: only the kernel path reads them (a CUDA-graph step)
                 raise ValueError("a decode batch with lengths on the device (StaticDecodeBatch) needs the CUDA kernel "

@@ -193,7 +193,8 @@ def mla_decode_schedule(lengths: torch.Tensor, max_length: int, workers: int,
 def mla_decode_paged(query: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor | Sequence[Sequence[int]],
                      lengths: Sequence[int] | torch.Tensor, block_size: int, scale: float, kv_lora_rank: int, *,
                      max_length: int | None = None, out: torch.Tensor | None = None,
-                     workspace: torch.Tensor | None = None, tuning: DecodeTuning = DecodeTuning()) -> torch.Tensor:
+                     workspace: torch.Tensor | None = None, tuning: DecodeTuning = DecodeTuning(),
+                     per_step: dict | None = None) -> torch.Tensor:
     """Absorbed decode attention over one layer of the paged cache (chapter 13), ``query [B, h, D]`` -> fp32
     ``[B, h, kv_lora_rank]`` (see the module doc): entry ``b`` attends over its positions ``0 .. lengths[b]-1``,
     position ``p`` read from row ``block_table[b][p // block_size] * block_size + p % block_size`` — no gather copy.
@@ -209,17 +210,33 @@ def mla_decode_paged(query: torch.Tensor, cache: torch.Tensor, block_table: torc
     The balanced schedule deals the batch's 32-row tiles evenly over ``tuning.workers`` blocks per head
     group, the schedule computed on the GPU from the lengths (:func:`mla_decode_schedule`), so mixed lengths
     keep every SM busy and a CUDA graph needs no host bound tighter than the table's (:class:`DecodeTuning`).
+    ``per_step``: a dict that lives for one forward step (:attr:`PagedBatch.per_step
+    <dsv2_lib.model.cache.PagedBatch>`): every layer of the step has the same lengths, so the first layer's
+    schedule is kept there and the others reuse it instead of launching the schedule kernel again.
     """
     if not kernels.use_kernels(query) or not latent_kernel_applies(cache, kv_lora_rank) or cache.dim() != 2:
         return mla_decode_paged_reference(query, cache, block_table, lengths, block_size, scale, kv_lora_rank)
     block_table, lengths_t, max_length = _paged_inputs(query, cache, block_table, lengths, block_size, max_length,
                                                        "mla_decode_paged")
     return _launch_balanced(query, cache, lengths_t, max_length, scale, kv_lora_rank, out, workspace, block_table,
-                            block_size, tuning)
+                            block_size, tuning, per_step)
+
+
+def _shared_schedule(per_step: dict | None, lengths: torch.Tensor, max_length: int, workers: int,
+                     min_tiles: int) -> torch.Tensor:
+    """:func:`mla_decode_schedule`, computed once per step: kept in ``per_step`` under its inputs and reused
+    while the lengths are the same tensor (host lengths map to one cached device copy per step)."""
+    if per_step is None:
+        return mla_decode_schedule(lengths, max_length, workers, min_tiles)
+    key = ("mla_decode_schedule", max_length, workers, min_tiles)
+    kept = per_step.get(key)
+    if kept is None or kept[0] is not lengths:
+        kept = per_step[key] = (lengths, mla_decode_schedule(lengths, max_length, workers, min_tiles))
+    return kept[1]
 
 
 def _launch_balanced(query, cache, lengths_t, max_length, scale, kv_lora_rank, out, workspace, table, block_size,
-                     tuning: DecodeTuning):
+                     tuning: DecodeTuning, per_step: dict | None = None):
     """The balanced schedule over a paged cache (checked inputs): schedule kernel, workers, combine."""
     B, H, D = query.shape
     out = _out_buffer(out, B, H, kv_lora_rank, cache.device)
@@ -231,7 +248,7 @@ def _launch_balanced(query, cache, lengths_t, max_length, scale, kv_lora_rank, o
     groups = -(-H // HEADS_PER_BLOCK)
     wave = max(1, _blocks_per_wave(kernel, smem, cache.device) // groups)  # one wave of blocks in all
     workers = wave if tuning.workers is None else tuning.workers
-    sched = mla_decode_schedule(lengths_t, max_length, workers, tuning.min_tiles)
+    sched = _shared_schedule(per_step, lengths_t, max_length, workers, tuning.min_tiles)
     slots = B + workers - 1  # partial results: slot worker + entry (see the kernel file)
     need = slots * H * (kv_lora_rank + 1)
     if workspace is None:
