@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsv2_lib.core import kernels
+from dsv2_lib.core import dependent_launch, kernels
 from dsv2_lib.ops import norm
 from dsv2_lib.ops.norm import fused_add_rms_norm
 
@@ -69,9 +69,9 @@ def test_a_failed_dependent_launch_raises_with_the_driver_error(monkeypatch):
     fn = norm.RMSNORM_CU.function("rms_norm<__nv_bfloat16, true>", x.device)
     args = (kernels.ptr(x), kernels.ptr(x), kernels.ptr(w), np.int32(2048), np.int64(2048), np.int64(2048),
             np.float32(1e-6))
-    launch_ex, config, attribute, error_name = kernels._driver()
+    launch_ex, config, attribute, error_name = dependent_launch._driver()
     refuse = lambda *a: 1  # noqa: E731 (CUDA_ERROR_INVALID_VALUE)
-    monkeypatch.setattr(kernels, "_driver", lambda: (refuse, config, attribute, error_name))
+    monkeypatch.setattr(dependent_launch, "_driver", lambda: (refuse, config, attribute, error_name))
     with pytest.raises(RuntimeError, match=r"cuLaunchKernelEx failed: CUDA_ERROR_INVALID_VALUE \(CUDA error 1\), "
                                            r"grid \(2,\), block \(256,\)"):
         kernels.launch_dependent(fn, (2,), (256,), args)
