@@ -8,8 +8,9 @@ import torch
 from notebook_solutions import solutions
 
 from dsv2_lib.engine import sampling
-from dsv2_lib.lessons.exercises import EXERCISES, check, generate_with, grade, merge_splits_reference, swapped
+from dsv2_lib.lessons.exercises import EXERCISES, check, generate_with, grade, swapped
 from dsv2_lib.ops import moe_routing, norm, rope
+from dsv2_lib.ops.mla_decode import balanced_segments
 
 
 SOLUTIONS = solutions("check")
@@ -63,8 +64,8 @@ def _top_p_inclusive(logits, params):  # drops the token that crosses top_p inst
     return logits
 
 
-def _plain_average(o, lse):
-    return o.mean(dim=0)
+def _slot_is_the_worker(per, first, workers):  # two partials of one worker would share a slot
+    return [(i, b, t0, t1, None if slot is None else i) for i, b, t0, t1, slot in balanced_segments(per, first, workers)]
 
 
 def _no_overlap_check(path):  # parses well, but accepts overlapping tensors
@@ -120,7 +121,7 @@ PLANTED = {"read_header": (_no_overlap_check, "must be refused"), "embedding": (
            "slot_mapping": (_ignores_the_table, "expected"), "reserve_admits": (_reserves_one_row_too_many, "expected"),
            "rms_norm": (_no_weight, "the result"), "rope": (_halves_rope, "the result"),
            "route": (_softmax_after_topk, "the result[0]"), "moe_align": (_unpadded_align, "shape"),
-           "filter_logits": (_top_p_inclusive, "expected"), "merge_splits": (_plain_average, "expected")}
+           "filter_logits": (_top_p_inclusive, "expected"), "balanced_segments": (_slot_is_the_worker, "expected")}
 
 
 @pytest.mark.parametrize("name", sorted(EXERCISES))
@@ -142,17 +143,6 @@ def test_the_skeleton_and_a_crash_are_reported_in_words():
     assert not passed and "case 1 of" in line and "raised RuntimeError" in line, line
     with pytest.raises(KeyError, match="no exercise 'norm'; the exercises are"):
         grade("norm", skeleton)
-
-
-def test_merge_splits_reference_is_the_softmax_over_the_whole_context():
-    """Splitting scores into slices and merging their partial softmaxes gives the softmax over all."""
-    g = torch.Generator().manual_seed(0)
-    scores, values = torch.randn(3, 20, generator=g), torch.randn(20, 8, generator=g)
-    want = scores.softmax(-1) @ values
-    cuts = [(0, 7), (7, 8), (8, 20)]
-    o = torch.stack([scores[:, a:b].softmax(-1) @ values[a:b] for a, b in cuts])
-    lse = torch.stack([scores[:, a:b].logsumexp(-1) for a, b in cuts])
-    assert torch.allclose(merge_splits_reference(o, lse), want, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", sorted(n for n, e in EXERCISES.items() if e.engine))

@@ -32,10 +32,10 @@ from dsv2_lib.core.config import TINY
 from dsv2_lib.engine import sampling
 from dsv2_lib.engine.sampling import SamplingParams
 from dsv2_lib.lessons import gemm
-from dsv2_lib.ops import activation, embedding, mla_absorb, moe_routing, norm, rope
+from dsv2_lib.ops import activation, embedding, mla_absorb, mla_decode, moe_routing, norm, rope
 
-__all__ = ["EXERCISES", "check", "grade", "swapped", "generate_with", "merge_splits_reference",
-           "attention_reference", "reserve_admits_reference", "slot_mapping_reference"]
+__all__ = ["EXERCISES", "check", "grade", "swapped", "generate_with", "attention_reference",
+           "reserve_admits_reference", "slot_mapping_reference"]
 
 
 @dataclass(frozen=True)
@@ -276,28 +276,18 @@ def _filter_cases() -> list[_Case]:
                  (flat, SamplingParams(temperature=1.0, top_p=0.5)))]
 
 
-def merge_splits_reference(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Combine split-KV partial results (chapters 10 and 13): split ``s`` attended a slice of the context
-    and produced its normalised output ``o[s] [h, d]`` and log-sum-exp ``lse[s] [h]`` (natural log, ``-inf``
-    for an empty slice). The softmax over the whole context is the lse-weighted mix:
-    ``out = sum_s exp(lse[s] - L) · o[s]`` with ``L = log(sum_s exp(lse[s]))``; ``[h, d]`` in fp32,
-    computed in fp64 so that the reference itself is exact to fp32 rounding."""
-    o, lse = o.double(), lse.double()
-    L = torch.logsumexp(lse, dim=0)                              # [h]
-    w = torch.exp(lse - L).nan_to_num(0.0)                       # [S, h]; an all-empty head gives zeros
-    return (w[..., None] * o).sum(dim=0).float()
-
-
-def _merge_cases() -> list[_Case]:
+def _segment_cases() -> list[_Case]:
+    """Chapter 13's balanced schedules ``(per, first, workers)``, as ``balanced_schedule`` deals them."""
     cases = []
-    for i, (S, h, d) in enumerate([(1, 1, 4), (2, 16, 512), (7, 3, 64)]):
-        g = _gen(50 + i)
-        cases.append(_Case(f"{_n(S, 'split')}, {_n(h, 'head')}, {d} columns", (torch.randn(S, h, d, generator=g),
-                                                                   torch.randn(S, h, generator=g) * 5)))
-    lse = torch.tensor([[2.0, 1.0], [float("-inf"), 3.0]])
-    cases.append(_Case("an empty split (lse -inf) beside a full one", (torch.randn(2, 2, 8, generator=_gen(59)), lse)))
-    cases.append(_Case("large lse values (1000): subtract the max before exp",
-                      (torch.randn(3, 2, 8, generator=_gen(60)), torch.tensor([[1000.0, 5.0], [999.0, 4.0], [998.0, 6.0]]))))
+    for what, lengths, workers, min_tiles in [
+            ("section 3's batch: 6 entries of 17 to 4,000 rows, 12 workers", [4000, 300, 50, 2500, 17, 900], 12, 1),
+            ("one entry of 32,768 rows over 8 workers", [32768], 8, 1),
+            ("an empty entry (0 rows) between two others", [100, 0, 70], 3, 1),
+            ("more workers than tiles: the idle ones have no segments", [100], 264, 1),
+            ("a floor of 4 tiles per worker", [100, 33, 640], 6, 4),
+            ("worker ranges that end exactly where entries end", [64, 64, 64, 64], 4, 1)]:
+        per, first = mla_decode.balanced_schedule(lengths, workers, min_tiles)
+        cases.append(_Case(what, (per, first, workers)))
     return cases
 
 
@@ -459,5 +449,5 @@ EXERCISES: dict[str, _Exercise] = {e.name: e for e in [
     _Exercise("route", "08", moe_routing.route, _route_cases, engine="dsv2_lib.ops.moe_routing:route"),
     _Exercise("moe_align", "08", moe_routing.moe_align_reference, _moe_align_cases, exact=True),
     _Exercise("filter_logits", "09", sampling.filter_logits, _filter_cases),
-    _Exercise("merge_splits", "13", merge_splits_reference, _merge_cases),
+    _Exercise("balanced_segments", "13", mla_decode.balanced_segments, _segment_cases, exact=True),
 ]}
