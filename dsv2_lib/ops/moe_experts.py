@@ -238,8 +238,8 @@ def skinny_experts(x, ids, gate_up_proj, down_proj):
 
 
 def _grouped_mm_experts(x, ids, gate_up_proj, down_proj):
-    """cuBLAS's grouped GEMM (``torch._grouped_mm``, bf16) on rows aligned to GROUPED_MM_ALIGN: (y, slot_of).
-    Padding rows read token 0 (finite, never combined); rows past ``offsets[E]`` are never read."""
+    """PyTorch's grouped GEMM (``torch._grouped_mm``, bf16; CUTLASS kernels) on rows aligned to GROUPED_MM_ALIGN:
+    (y, slot_of). Padding rows read token 0 (finite, never combined); rows past ``offsets[E]`` are never read."""
     k = ids.shape[1]
     sorted_rows, slot_of, _, offsets = moe_align(ids, gate_up_proj.shape[0], GROUPED_MM_ALIGN)
     a = x[sorted_rows.clamp(min=0) // k]  # [cap, H]: the tokens in expert order
