@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(mla::THREADS) mla_decode_split(
 
 // The uniform splits of each (entry, head): grid (ceil(DL / 64), H, B), 256 threads; for B = 1 and
 // 16 heads that is 128 blocks, about one per SM, since at batch 1 the partials (splits x 16 x 512
-// fp32) are a tenth of the bytes the split kernel read and must stream as fast.
+// fp32; 8.4 MB for 256 splits, against 37.7 MB of cache at 32,768 rows) must stream as fast.
 __global__ void __launch_bounds__(COMBINE_WARPS * 32) mla_decode_combine(
     float* __restrict__ out, const float* __restrict__ o_part, const float* __restrict__ lse, int splits, int dl) {
     const long long row = (long long)blockIdx.z * gridDim.y + blockIdx.y;  // b * H + h
