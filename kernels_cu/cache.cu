@@ -10,7 +10,7 @@
 //                 picks it only when D and both row strides are whole 16-byte vectors and both
 //                 pointers are 16-byte aligned.
 //   VEC = false : one element per chunk; any D, stride and alignment.
-// A slot < 0 (-1: "not cached", e.g. a prefix-cache hit) is skipped; a slot >= num_rows, which
+// A slot < 0 (-1: a CUDA graph's padding entry, which has no row to keep) is skipped; a slot >= num_rows, which
 // the host refuses before the launch when it knows the slots, is skipped too: the kernel never
 // writes outside the cache. No synchronisation and no host read: a CUDA graph can capture it.
 #include "common.cuh"

@@ -1,7 +1,7 @@
 """The cache write (chapter 12): scatter a step's new cache rows into one layer of the paged cache.
 
 ``cache[slot_mapping[t]] = rows[t]`` for every packed token ``t`` whose slot is ``>= 0``; a slot of
-``-1`` (a token whose row is already cached) is skipped. The PyTorch reference is an indexed
+``-1`` (a graph's padding entry, which has no row to keep) is skipped. The PyTorch reference is an indexed
 assignment through a boolean mask — which makes PyTorch count the kept tokens, a device-to-host
 sync per layer per step, and cannot be captured in a CUDA graph. The kernel
 (``kernels_cu/cache.cu``) gives each token one warp that copies its row with 16-byte vectors and
