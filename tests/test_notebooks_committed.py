@@ -31,6 +31,15 @@ def test_every_cell_has_its_own_id(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_cell_sources_are_in_canonical_form(path):
+    """A source is a list of lines as Jupyter writes it: no trailing empty entry (a script that split on
+    newlines left one), which Jupyter would drop on the next save and make a spurious diff."""
+    cells = json.loads(path.read_text())["cells"]
+    bad = [i for i, c in enumerate(cells) if isinstance(c["source"], list) and c["source"] and c["source"][-1] == ""]
+    assert not bad, f"{path.name}: cells {bad} end their source with an empty line entry"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_no_error_or_warning_outputs(path):
     for cell in code_cells(path):
         for out in cell.get("outputs", []):
