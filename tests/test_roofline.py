@@ -158,3 +158,17 @@ def test_prefill_anchor():
     # DESIGN.md: ~176 k tok/s compute limit for prefill at 790 TFLOP/s
     assert prefill_roofline_tokens_per_s(LITE) == pytest.approx(176_000, rel=0.01)
     assert math.isclose(prefill_roofline_tokens_per_s(LITE, flops=1.0) * 2 * (2_451_435_008 - 209_715_200), 1.0)
+
+
+def test_a_short_prefill_is_bound_by_the_weight_read():
+    """512 tokens touch all 64 experts of every MoE layer: the pass reads ~31 GB, 7.4 ms at 4.2 TB/s,
+    longer than its arithmetic (2.9 ms); from about 1,300 tokens the arithmetic takes over."""
+    short = prefill_roofline_tokens_per_s(LITE, 512)
+    assert short == pytest.approx(512 / (decode_bytes_per_step(LITE, 512, 0) / 4.2e12))
+    assert 60_000 < short < 80_000
+    assert prefill_roofline_tokens_per_s(LITE, 4096) == prefill_roofline_tokens_per_s(LITE)  # compute-bound
+    crossing = next(n for n in range(256, 4096, 16)
+                    if prefill_roofline_tokens_per_s(LITE, n) == prefill_roofline_tokens_per_s(LITE))
+    assert 1_200 < crossing < 1_400
+    with pytest.raises(ValueError, match="tokens must be >= 1"):
+        prefill_roofline_tokens_per_s(LITE, 0)

@@ -143,7 +143,8 @@ def measure(engine: str, run, cfg: BenchConfig, model_cfg, device: torch.device,
         t1 = _median_seconds(lambda: run(ids, 1), cfg.repeats, device)
         tps = b * cfg.prompt_len / t1
         out.append(Measurement(engine, "prefill", b, tps, [t1],
-                               tps / roofline.prefill_roofline_tokens_per_s(model_cfg) if on_h200 else None))
+                               tps / roofline.prefill_roofline_tokens_per_s(model_cfg, b * cfg.prompt_len) if on_h200
+                               else None))
     for b in cfg.decode_batches:
         ids = prompts(model_cfg.vocab_size, b, cfg.prompt_len, cfg.seed + b)
         w = decode_window_start(b, cfg.prompt_len, step_budget)

@@ -246,7 +246,21 @@ def prefill_flops_per_token(cfg: ModelConfig) -> float:
 
 
 def prefill_roofline_tokens_per_s(
-    cfg: ModelConfig, flops: float = H200_BF16_FLOPS
+    cfg: ModelConfig,
+    tokens: int | None = None,
+    bandwidth: float = H200_BANDWIDTH,
+    flops: float = H200_BF16_FLOPS,
 ) -> float:
-    """Compute-bound limit on prefill throughput (V2-Lite, H200: about 176,000/s)."""
-    return flops / prefill_flops_per_token(cfg)
+    """Limit on prefill throughput. Without ``tokens``: the compute bound (V2-Lite, H200: about
+    176,000/s), the limit of long prompts. With ``tokens``, the prompt tokens of one forward pass, the
+    weight read too: the pass reads every weight its tokens touch (:func:`decode_bytes_per_step` at
+    context 0), and a few hundred tokens touch all of V2-Lite's experts, so below about 1,300 tokens
+    the read sets the limit (1 × 512 on an H200: about 69,000/s).
+    """
+    compute = flops / prefill_flops_per_token(cfg)
+    if tokens is None:
+        return compute
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    read_s = decode_bytes_per_step(cfg, tokens, 0) / bandwidth
+    return min(compute, tokens / read_s)
