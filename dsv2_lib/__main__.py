@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default="tiny", help="'tiny' or a DeepSeek-V2 checkpoint directory")
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
     gen.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                     help="weights' dtype (default: the checkpoint's; float32 for tiny on a CPU)")
+                     help="weights' dtype (default: bfloat16 on CUDA, float32 on a CPU)")
     gen.add_argument("--max-tokens", type=positive_int, default=32, help="most tokens generated per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all")
