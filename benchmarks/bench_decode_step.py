@@ -11,7 +11,8 @@ tokens each decoding one token, as the engine's CUDA graph runs the step (chapte
 * **profile** of one replay without dependent launch (with it, a kernel's profiled time includes the
   time its blocks wait parked for the kernel ahead, so durations overlap): the number of kernels, their
   summed time (**busy**), first start to last end (**span**), and **gaps** = span - busy, the time the
-  GPU spends between kernels; then busy time by kind of kernel, and the costliest kernels.
+  GPU spends between kernels (negative where a side stream's kernels overlap the main stream's: up to
+  16 tokens, chapter 14); then busy time by kind of kernel, and the costliest kernels.
 
 Dependent launch is switched off by patching what :class:`~dsv2_lib.core.kernels.KernelFile` asks
 (``programmatic_launch_supported``) and forgetting its cached launchers: a measurement's switch, not
