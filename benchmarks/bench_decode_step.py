@@ -1,4 +1,4 @@
-"""Where a decode step's time goes on the GPU machine: kernels against the gaps between them (chapter 14).
+"""Where a decode step's time goes on a GPU: kernels against the gaps between them (chapter 14).
 Not collected by pytest.
 
     python benchmarks/bench_decode_step.py   # prints a table, writes $DSV2_RESULTS_DIR/bench_decode_step.json (or /tmp)
@@ -21,6 +21,7 @@ an engine setting.
 from __future__ import annotations
 
 import collections
+import datetime
 import json
 import os
 import time
@@ -130,7 +131,9 @@ def main() -> None:
         print(f"\nB = {B}, busy ms by kind:", {k: round(v, 3) for k, v in profiles[B]["busy_ms_by_kind"].items()})
         for t in profiles[B]["top_kernels"]:
             print(f"  {t['ms']:7.3f} ms {t['count']:4d} x  {t['name']}")
-    record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "sources_sha256": bench._sources_sha256(),
+    record = {"gpu": torch.cuda.get_device_name(), "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "sources_sha256": bench._sources_sha256(),
               "context": CONTEXT, "steps": STEPS, "graph_ms": graph_ms, "profiles": profiles}
     (out_dir / "bench_decode_step.json").write_text(json.dumps(record, indent=1) + "\n")
 
