@@ -172,7 +172,8 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--max-model-len", type=positive_int, default=None,
                    help="most tokens of prompt + output per request (default: the model's context)")
     s.add_argument("--kv-cache-mib", type=float, default=None,
-                   help="KV cache size in MiB (default: 90%% of the GPU's free memory on CUDA, 256 MiB on a CPU)")
+                   help="KV cache size in MiB (default on CUDA: what is left of 90%% of the GPU's memory after the "
+                        "weights and the activations' reserve, at most what is free; 256 MiB on a CPU)")
     s.add_argument("--tuning", default=None, metavar="FILE",
                    help="kernel-path thresholds measured by `calibrate` (default: the H200's)")
     s.add_argument("--trace", default=None, metavar="FILE",
