@@ -10,8 +10,9 @@
 // kernel before it on the stream is still finishing, instead of after it has drained. Each block waits
 // here until that kernel has completed and its writes are visible (its predecessor had waited for its
 // own, so everything earlier on the stream is done too), then lets the next kernel's blocks be
-// scheduled in turn: they wait in their own call. Nothing before the call may touch memory that an
-// earlier kernel writes. Launched the ordinary way, or on an older GPU, the call does nothing.
+// scheduled in turn: they wait in their own call. Nothing before the call may read memory that an
+// earlier kernel writes, or write memory that one reads or writes. Launched the ordinary way, or on
+// an older GPU, the call does nothing.
 __device__ __forceinline__ void wait_for_prior_grids() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -178,3 +178,17 @@ def test_swapped_replaces_the_engine_function_and_restores_it():
         with swapped("moe_align", _unpadded_align):
             pass
     assert rope.apply_rope_reference_ is not _halves_rope
+
+
+def test_a_list_of_the_wrong_length_names_the_missing_or_extra_item():
+    def drops_the_last(per, first, workers):
+        return balanced_segments(per, first, workers)[:-1]
+
+    def repeats_the_last(per, first, workers):
+        segments = balanced_segments(per, first, workers)
+        return segments + segments[-1:]
+
+    for wrong, words in ((drops_the_last, "is missing"), (repeats_the_last, "is extra")):
+        passed, line = grade("balanced_segments", wrong)
+        assert not passed
+        assert re.search(rf"the result: (\d+) items, expected (\d+); item \d+ {words}: \(", line), line

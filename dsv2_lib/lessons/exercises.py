@@ -78,12 +78,17 @@ def _describe(x) -> str:
 def _difference(got, want, exact: bool, where: str = "the result") -> str | None:
     """``None`` when ``got`` matches ``want``, else what differs, in words."""
     if isinstance(want, (tuple, list)):
-        if not isinstance(got, (tuple, list)) or len(got) != len(want):
-            return f"{where}: expected a tuple of {len(want)} values, got {_describe(got)}"
+        if not isinstance(got, (tuple, list)):
+            return f"{where}: expected a {type(want).__name__} of {len(want)} items, got {_describe(got)}"
+        count = "" if len(got) == len(want) else f" ({len(got)} items, expected {len(want)})"
         for i, (g, w) in enumerate(zip(got, want)):
             problem = _difference(g, w, exact, f"{where}[{i}]")
             if problem:
-                return problem
+                return problem + count
+        if count:  # equal as far as both go: name the first item one has and the other lacks
+            n = min(len(got), len(want))
+            extra = f"item {n} is extra: {got[n]!r}" if len(got) > n else f"item {n} is missing: {want[n]!r}"
+            return f"{where}: {len(got)} items, expected {len(want)}; {extra}"
         return None
     if not isinstance(want, torch.Tensor):
         return None if got == want else f"{where}: expected {want!r}, got {got!r}"

@@ -85,11 +85,12 @@ ATTENTION_CU = kernels.declare(
 
 @dataclass(frozen=True)
 class AttentionTuning:
-    """Where :func:`prefill_attention` switches path, by shape: defaults for the H200, set by
-    ``benchmarks/bench_attention_prefill.py`` (it times every version and prints the values to use on
-    another GPU). The comparison is with SDPA as the engine calls it, the copy of ``k_pe`` to every
-    head included; batches SDPA would need many calls for (mixed lengths or a cached prefix: one call
-    per sequence) take our kernel at every length."""
+    """Where :func:`prefill_attention` switches path, by shape: defaults for the H200. The two
+    ``sdpa_min_*`` thresholds are measured by ``python -m dsv2_lib calibrate`` (one sequence, our kernel
+    against SDPA as the engine calls it, the copy of ``k_pe`` to every head included); the two variants
+    by ``benchmarks/bench_attention_prefill.py``; ``sdpa_max_calls`` and ``small_tiles`` are set by hand.
+    Batches SDPA would need many calls for (mixed lengths or a cached prefix: one call per sequence) take
+    our kernel at every length."""
 
     sdpa_min_tokens: int = 1024   # SDPA at or above this many packed query tokens ...
     sdpa_min_max_len: int = 1024  # ... provided the longest sequence has at least this many ...

@@ -1,7 +1,6 @@
 // Chapter 08's lesson, not on the engine's path: the grouped expert GEMV, the choices grouped by expert
-// so that each selected expert's weights are read once (dsv2_lib/lessons/moe_grouped.py). The engine's
-// per-choice GEMV (moe.cu) is faster on the H200 at every size the grouped one takes; chapter 08 and
-// benchmarks/bench_moe.py time both.
+// so that each selected expert's weights are read once (dsv2_lib/lessons/moe_grouped.py). The engine
+// takes the per-choice GEMV (moe.cu) instead; benchmarks/bench_moe.py times both.
 #include "moe_common.cuh"
 
 // ------------------------------------------------------------------------------------------------
