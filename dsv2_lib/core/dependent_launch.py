@@ -5,6 +5,7 @@ stream is still running, and waits for it in its own first statement (``wait_for
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import struct
 import threading
@@ -32,8 +33,6 @@ def programmatic_launch_supported(device_index: int) -> bool:
 def _driver():
     """``(cuLaunchKernelEx, config buffer, attribute buffer, cuGetErrorName)`` from libcuda. The buffers are
     reused by every launch: the driver reads them before the call returns."""
-    import ctypes
-
     lib = ctypes.CDLL("libcuda.so.1")
     launch_ex, error_name = lib.cuLaunchKernelEx, lib.cuGetErrorName
     launch_ex.argtypes, launch_ex.restype = [ctypes.c_void_p] * 4, ctypes.c_int
@@ -47,8 +46,6 @@ def _arg_buffer(types: tuple[type, ...]):
     """For kernel arguments of these numpy types: ``(packer, buffer, pointers)``. The packer lays the values
     out at the offsets the kernel's parameter block has (each at a multiple of its size) in ``buffer``;
     ``pointers`` is the array of argument addresses cuLaunchKernelEx reads."""
-    import ctypes
-
     fmt, offsets, at = "=", [], 0
     for t in types:
         code = _ARG_CODES.get(t)
@@ -71,8 +68,6 @@ def launch_dependent(kernel, grid: tuple[int, ...], block: tuple[int, ...], args
     one and the launch of the next overlap. Only for a kernel that begins with ``wait_for_prior_grids()``,
     which holds each block until the kernel ahead has completed; a CUDA graph captures the overlap as a
     programmatic edge."""
-    import ctypes
-
     launch_ex, config, attribute, error_name = _driver()
     packer, buffer, pointers = _arg_buffer(tuple(map(type, args)))
     stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
