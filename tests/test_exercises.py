@@ -11,6 +11,7 @@ from dsv2_lib.engine import sampling
 from dsv2_lib.lessons.exercises import EXERCISES, check, generate_with, grade, swapped
 from dsv2_lib.ops import moe_routing, norm, rope
 from dsv2_lib.ops.mla_decode import balanced_segments
+from dsv2_lib.tools import roofline
 
 
 SOLUTIONS = solutions("check")
@@ -115,7 +116,14 @@ def _ignores_the_table(block_table, positions, block_size):  # contiguous slots,
     return list(positions)
 
 
-PLANTED = {"read_header": (_no_overlap_check, "must be refused"), "embedding": (_wrapping_embedding, "must be refused"),
+def _reads_every_expert(cfg, batch, context, bytes_per_value=2):  # all routed experts, whatever the batch
+    c = roofline.parameter_counts(cfg)
+    weights = c["total"] - c["embedding"] - c["lm_head"] + cfg.vocab_size * cfg.hidden_size
+    return float((weights + batch * cfg.hidden_size + batch * context * cfg.num_hidden_layers * cfg.cache_row_dim)
+                 * bytes_per_value)
+
+
+PLANTED = {"decode_bytes": (_reads_every_expert, "expected"), "read_header": (_no_overlap_check, "must be refused"), "embedding": (_wrapping_embedding, "must be refused"),
            "tiled_matmul": (_whole_slabs_only, "expected"), "online_attention": (_no_rescale, "expected"),
            "silu_and_mul": (_swapped_halves, "expected"), "absorbed_query": (_no_rope_part, "shape"),
            "slot_mapping": (_ignores_the_table, "expected"), "reserve_admits": (_reserves_one_row_too_many, "expected"),
@@ -192,3 +200,11 @@ def test_a_list_of_the_wrong_length_names_the_missing_or_extra_item():
         passed, line = grade("balanced_segments", wrong)
         assert not passed
         assert re.search(rf"the result: (\d+) items, expected (\d+); item \d+ {words}: \(", line), line
+
+
+def test_a_float_may_differ_from_the_reference_by_roundings_only():
+    """A sum taken in another order differs in its last bits and passes; a real error does not."""
+    from dsv2_lib.lessons.exercises import _difference
+    assert _difference(0.1 + 0.2 + 0.3, 0.3 + 0.2 + 0.1, exact=False) is None
+    assert "expected 4900000000.0, got 4900004900.0 (rtol 1e-12)" in _difference(4.9000049e9, 4.9e9, exact=False)
+    assert _difference(0.1 + 0.2 + 0.3, 0.3 + 0.2 + 0.1, exact=True) is not None

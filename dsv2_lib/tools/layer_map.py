@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
-LAYERS = ("core", "ops", "model", "engine", "serve", "lessons", "tools")  # lowest first: each imports only layers below
+LAYERS = ("core", "ops", "model", "engine", "serve", "tools", "lessons")  # lowest first: each imports only layers below
 MODULE_NAME = re.compile(r"dsv2_lib(\.\w+)+")
 
 
