@@ -44,3 +44,16 @@ def kernels_on(monkeypatch):
     (no CuPy, a CPU tensor) fails instead of quietly testing the PyTorch reference. The kernel test
     files use it for every test (``pytest.mark.usefixtures("kernels_on")``)."""
     monkeypatch.setenv("DSV2_BACKEND", "cuda")
+
+
+@pytest.fixture
+def kernel_launches(monkeypatch):
+    """The kernel functions launched while the test runs, in order: both launch paths are spied on
+    (ordinary, or dependent on a Hopper GPU), and each launch still happens."""
+    from dsv2_lib.core import kernels
+
+    calls = []
+    for name in ("launch", "launch_dependent"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda k, *a, real=real, **kw: (calls.append(k), real(k, *a, **kw)))
+    return calls

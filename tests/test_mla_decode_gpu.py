@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from dsv2_lib import TINY
-from dsv2_lib.core import kernels
 from dsv2_lib.model.cache import SequenceBatch
 from dsv2_lib.model.mla import MLA
 from dsv2_lib.ops.mla_decode import (
@@ -221,7 +220,7 @@ def test_balanced_cuda_graph_replays_with_new_lengths():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_engine_decode_attention_uses_the_kernel(dtype, monkeypatch):
+def test_engine_decode_attention_uses_the_kernel(dtype, monkeypatch, kernel_launches):
     """MLA.decode_attention on a contiguous cache of CUDA tensors runs the kernel (query in the model
     dtype) and agrees with the fp32 reference path. The kernel path rounds three times to the model dtype (the
     absorbed query, the latent sum, the W_v product: u relative each), and the query's rounding
@@ -237,12 +236,8 @@ def test_engine_decode_attention_uses_the_kernel(dtype, monkeypatch):
     q_nope = torch.randn(3, h, cfg.qk_nope_head_dim, device="cuda").to(dtype)
     q_pe = torch.randn(3, h, cfg.qk_rope_head_dim, device="cuda").to(dtype)
     assert mla_decode_query_dtype(cache, cfg.kv_lora_rank) == dtype
-    calls = []
-    for name in ("launch", "launch_dependent"):  # ordinary, or dependent on a Hopper GPU
-        real = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda k, *a, real=real, **kw: (calls.append(k), real(k, *a, **kw)))
     got = attn.decode_attention(q_nope, q_pe, batch, cache)
-    assert calls, "the decode path did not launch the kernel"
+    assert kernel_launches, "the decode path did not launch the kernel"
     monkeypatch.setenv("DSV2_BACKEND", "torch")
     want = attn.decode_attention(q_nope, q_pe, batch, cache)
     assert got.dtype == dtype and got.shape == want.shape
