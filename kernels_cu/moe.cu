@@ -474,8 +474,8 @@ moe_gemv_down_combine(T* __restrict__ out, const T* __restrict__ h, const T* __r
 // those registers serve as the fragments of four m16n8k16 mmas with the k relabelled: mma (j, half)
 // takes k0 + 16q + 8j + 4 half + {0, 1, 2, 3} as its k = {2q, 2q+1, 2q+8, 2q+9} (the fragment layout
 // above). A and B are relabelled alike, so every product is a weight times its own input.
-// 32 bytes per thread and step (128 per row and warp) keep enough loads in flight; chapter 08 times
-// 16, 32 and 64.
+// 32 bytes per thread and step (128 per row and warp) keep enough loads in flight (chapter 08's
+// exercise 6 weighs 16 against 32).
 // One warp owns 16 output columns over the whole K (GATE_UP: 16 gate rows and the 16 matching up rows,
 // sharing the input registers); blockIdx.x = tile, blockIdx.y = a slab of SKINNY_WARPS x 16 columns.
 // The host checks K % 64 == 0 and n_out % 16 == 0.
