@@ -301,7 +301,6 @@ def _segment_cases() -> list[_Case]:
     return cases
 
 
-@functools.cache
 def _decode_bytes_cases() -> list[_Case]:
     lite = DEEPSEEK_V2_LITE
     return [_Case("V2-Lite, batch 1, nothing cached yet", (lite, 1, 0)),
@@ -315,6 +314,7 @@ def _decode_bytes_cases() -> list[_Case]:
             _Case("batch -1 (must be refused)", (lite, -1, 0))]
 
 
+@functools.cache
 def _header_cases() -> list[_Case]:
     """Small safetensors files, written once per process into a temporary folder removed at exit."""
     import atexit
