@@ -1,6 +1,7 @@
 """The end-to-end benchmark's machinery on the CPU, with the tiny model (the numbers mean nothing here;
 on the H200 `python -m dsv2_lib bench` is the measurement)."""
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -85,3 +86,14 @@ def test_the_record_names_the_measured_sources(tmp_path):
     assert bench._sources_sha256(copy) == bench._sources_sha256()
     (copy / "kernels_cu" / "rope.cu").write_text((copy / "kernels_cu" / "rope.cu").read_text() + "// edited\n")
     assert bench._sources_sha256(copy) != bench._sources_sha256()
+
+
+def test_a_decode_row_whose_longer_run_timed_shorter_is_not_a_number(monkeypatch):
+    """tokens/s of decode is b * m over the time the m extra tokens added; when noise makes the longer run
+    time shorter there is no such time, and the row says so (it used to report ~1e12 tokens/s)."""
+    times = iter([0.30, 0.25, 0.30, 0.40])  # batch 1: t(w), then t(w + m) shorter; batch 2: the usual order
+    monkeypatch.setattr(bench, "_median_seconds", lambda fn, repeats, device: next(times))
+    cfg = bench.BenchConfig(model="tiny", device="cpu", prefill_batches=(), decode_batches=(1, 2), decode_tokens=4)
+    rows = bench.measure("ours", lambda ids, n: None, cfg, TINY, torch.device("cpu"))
+    assert [r.batch for r in rows] == [1, 2] and math.isnan(rows[0].tokens_per_s)
+    assert math.isclose(rows[1].tokens_per_s, 2 * 4 / 0.10)

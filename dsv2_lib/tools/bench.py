@@ -21,6 +21,7 @@ import datetime
 import gc
 import hashlib
 import json
+import math
 import platform
 import statistics
 import subprocess
@@ -150,7 +151,8 @@ def measure(engine: str, run, cfg: BenchConfig, model_cfg, device: torch.device,
         w = decode_window_start(b, cfg.prompt_len, step_budget)
         tw = _median_seconds(lambda: run(ids, w), cfg.repeats, device)
         tm = _median_seconds(lambda: run(ids, w + m), cfg.repeats, device)
-        tps = b * m / max(tm - tw, 1e-9)
+        # the m extra tokens' time; noise can make the longer run time shorter (on a busy CPU): not a number
+        tps = b * m / (tm - tw) if tm > tw else math.nan
         limit = roofline.decode_roofline_tokens_per_s(model_cfg, b, cfg.prompt_len + w + m // 2)
         out.append(Measurement(engine, "decode", b, tps, [tw, tm], tps / limit if on_h200 else None, w))
     return out
