@@ -19,7 +19,10 @@ def test_bench_runs_both_engines_and_writes_json_and_plot(tmp_path):
     record = bench.run(cfg)
     kinds = [(r["engine"], r["kind"], r["batch"]) for r in record["results"]]
     assert kinds == [(e, k, b) for e in ("ours", "transformers") for k, b in (("prefill", 2), ("decode", 3))]
-    assert all(r["tokens_per_s"] > 0 and r["roofline_fraction"] is None for r in record["results"])  # no roofline off the GPU
+    assert all(r["roofline_fraction"] is None for r in record["results"])  # no roofline off the GPU
+    # a rate, or NaN for a decode row whose two timed runs came out in the wrong order on this busy CPU
+    assert all(r["tokens_per_s"] > 0 or (r["kind"] == "decode" and math.isnan(r["tokens_per_s"]))
+               for r in record["results"])
     decode = [r for r in record["results"] if r["kind"] == "decode"]
     assert all(len(r["seconds"]) == 2 for r in decode)
     js, png = bench.save(record, tmp_path)
