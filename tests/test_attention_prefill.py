@@ -181,7 +181,7 @@ def emulate_mma_block(q, k, v, start, q0, scale, nw=4, qs=False):
     does (the number of K/V buffers changes only where a tile lives, not which lane reads what).
 
     q [nq, 192], k [nk, 192], v [nk, 128] (bf16-representable), start = nk - nq."""
-    nq, nk = q.shape[0], k.shape[0]
+    nq = q.shape[0]
     BQ = 16 * nw
     rows = min(BQ, nq - q0)
     n_keys = start + q0 + rows

@@ -9,9 +9,9 @@ import math
 import re
 
 import pytest
+from hub_files import HUB_CONFIG_JSON
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hub_files import HUB_CONFIG_JSON
 
 from dsv2_lib.core.config import DEEPSEEK_V2_LITE, TINY, ConfigError, config_from_dict, load_config
 

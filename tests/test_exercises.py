@@ -13,7 +13,6 @@ from dsv2_lib.ops import moe_routing, norm, rope
 from dsv2_lib.ops.mla_decode import balanced_segments
 from dsv2_lib.tools import roofline
 
-
 SOLUTIONS = solutions("check")
 
 

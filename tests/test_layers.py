@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dsv2_lib.tools.layer_map import (LAYERS, find_cycle, import_graph, imported_modules, layer, modules,
-                                      upward_imports)
+from dsv2_lib.tools.layer_map import LAYERS, find_cycle, import_graph, imported_modules, layer, modules, upward_imports
 
 ENGINE_MAX_LINES = 400  # no module of core .. engine longer than this
 GRAPH = import_graph()

@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv2_lib import TINY
+from dsv2_lib.lessons.mla_decode_split import mla_decode, mla_decode_splits, mla_decode_workspace
 from dsv2_lib.model.cache import LatentCache, SequenceBatch
 from dsv2_lib.model.mla import MLA
-from dsv2_lib.lessons.mla_decode_split import mla_decode, mla_decode_splits, mla_decode_workspace
 from dsv2_lib.ops.attention import causal_attention
 from dsv2_lib.ops.mla_decode import (
     COMBINE_WIDTHS,

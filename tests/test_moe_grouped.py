@@ -78,10 +78,9 @@ def emulate_gemv_grouped(x, w, ids, gate_up, down, shared_w=None, nw=3, cpw=2, t
             choices = srt[s : s + cnt]
             rows = [(c // k if gate_up_pass else c, c) for c in choices]
             if gate_up_pass:
-                wg, wu, dst, K, ncol = gate_up[ex][:i], gate_up[ex][i:], hid, h, i
+                wg, wu, dst, ncol = gate_up[ex][:i], gate_up[ex][i:], hid, i
             else:
-                wd, dst, K, ncol = down[ex], y, i, h
-            act = x if gate_up_pass else None
+                wd, dst, ncol = down[ex], y, h
         else:
             p = slot - max_items
             part, q = (p // n_chunks, p % n_chunks) if gate_up_pass else (0, p)
@@ -102,7 +101,7 @@ def emulate_gemv_grouped(x, w, ids, gate_up, down, shared_w=None, nw=3, cpw=2, t
                     continue
                 for arow, orow in rows:
                     if gate_up_pass:
-                        a = x[arow].double() if slot < max_items else x[arow].double()
+                        a = x[arow].double()
                         g, u = rnd(wg[n].double() @ a), rnd(wu[n].double() @ a)
                         key = (orow, n if slot < max_items else (slot - max_items) // n_chunks * i + n)
                         assert key not in dst
