@@ -154,7 +154,7 @@ def main() -> int:
             "max_abs_err_vs_reference": err, "bar": is_bar, "bar_met": frac >= 0.7 if is_bar else None,
             "bar_met_by_best": best_frac >= 0.7 if is_bar else None,
         })
-        caches = ws = None  # free this shape's caches (run's closure holds the names)
+        caches = ws = None  # free this shape's caches
         torch.cuda.empty_cache()
     print("\n" + header)
     print("\n".join(rows))

@@ -181,7 +181,7 @@ def run(cfg: BenchConfig) -> dict:
     results += measure("ours", lambda ids, n: _ours(llm, ids, n), cfg, model_cfg, device,
                        llm.engine_config.max_num_batched_tokens)
     memory["ours"] = peak()
-    llm = None  # the engine's memory goes before transformers loads (the closure above holds the name)
+    llm = None  # the engine's memory goes before transformers loads
     if cfg.transformers:
         from transformers import DeepseekV2ForCausalLM
 
