@@ -20,6 +20,10 @@ V2-Lite's shape: 64 routed experts x 1408, top-6, 2 shared experts, hidden 2048,
 5. On the GEMV path (1, 2, 4 tokens), ``moe_few`` (the router in one launch with the shared experts'
    gate|up beside it, the shared experts as GEMV choices: the default) or cuBLAS's router GEMV +
    ``topk_softmax`` + the GEMV kernels, with the shared MLP on the side stream; whole layer.
+6. The skinny GEMM's tile height (``SKINNY_ROWS_COMPILED``: 8, 16, 32 sorted rows per tile) at 16 ... 128
+   tokens: its alignment and two launches (``skinny_experts``), as a fraction of the copy bandwidth over
+   the bytes of the experts touched. Taller tiles read an expert with more than 8 choices fewer times,
+   but hold more accumulators and inputs in registers.
 
 It ends with the ``MoETuning(...)`` that sections 2 and 4 recommend (``recommend_moe`` of
 ``dsv2_lib/tools/calibrate.py``, which ``python -m dsv2_lib calibrate`` runs on a GPU's own sweep).
@@ -39,8 +43,8 @@ from dsv2_lib.core.dtypes import default_dtype
 from dsv2_lib.lessons import moe_grouped
 from dsv2_lib.model import moe
 from dsv2_lib.model.moe import MoE
-from dsv2_lib.ops.moe_experts import MoETuning, moe_experts, routed_experts
-from dsv2_lib.ops.moe_routing import route
+from dsv2_lib.ops.moe_experts import MoETuning, moe_experts, routed_experts, skinny_experts
+from dsv2_lib.ops.moe_routing import SKINNY_ROWS, SKINNY_ROWS_COMPILED, route
 from dsv2_lib.tools.benchmark import time_cuda, time_cuda_graph
 from dsv2_lib.tools.calibrate import MOE_FORCE, MOE_PATHS, NEVER, recommend_moe
 
@@ -48,6 +52,7 @@ SIZES = (1, 32, 512, 4096)
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 STREAM_SWEEP = (8, 16, 32, 64, 128, 512)
 FOLD_SIZES = (1, 2, 4)
+SKINNY_SIZES = (16, 32, 64, 128)
 GEMV_SWEEP_MAX = 256  # the GEMV paths are timed up to this many tokens
 VARIANTS = [dict(warps=w, cols_per_warp=c, shared_in_router=r)
             for w, c in ((8, 1), (4, 1), (8, 2), (4, 2), (8, 4)) for r in (True, False)]
@@ -88,6 +93,25 @@ def build():
 
 def flops(t: int) -> float:
     return t * (K + S) * 3 * 2 * H * I
+
+
+def skinny_tile_heights(gate_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, bw: float) -> list[dict]:
+    """Section 6: the skinny GEMM's two launches and their alignment (``skinny_experts``) at each tile height
+    of ``SKINNY_ROWS_COMPILED`` and ``SKINNY_SIZES`` tokens routed by ``gate_w``: ms (GPU time) and the
+    fraction of the copy bandwidth ``bw`` (bytes/s) over the bytes of the experts touched."""
+    out = []
+    with torch.no_grad():
+        for t in SKINNY_SIZES:
+            x = torch.randn(t, H, device="cuda").to(torch.bfloat16)
+            _, ids = route(torch.nn.functional.linear(x.float(), gate_w), CFG)
+            touched = int(ids.unique().numel())
+            r = {"tokens": t, "experts_touched": touched, "max_choices_per_expert": int(ids.flatten().bincount().max())}
+            for rows in SKINNY_ROWS_COMPILED:
+                ms = time_cuda_graph(lambda: skinny_experts(x, ids, gate_up, down, rows=rows), calls=10)
+                r[f"rows_{rows}_ms"] = ms
+                r[f"rows_{rows}_fraction_of_copy"] = touched * EXPERT_BYTES / bw / (ms * 1e-3)
+            out.append(r)
+    return out
 
 
 PATHS = MOE_PATHS[:1] + ("gemv_grouped",) + MOE_PATHS[1:]  # the engine's paths and chapter 08's grouped GEMV
@@ -189,6 +213,7 @@ def main() -> None:
             r["mlp_side_stream_ms"] = time_cuda_graph(lambda: ours(x), calls=10)
             moe.few_applies = applies
             fold.append(r)
+        skinny_rows = skinny_tile_heights(ours.gate.weight, gate_up, down, bw)
 
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; GPU {torch.cuda.get_device_name()}")
     print(f"{'tokens':>6} {'ours ms':>9} {'(call)':>8} {'HF ms':>8} {'base ms':>8} {'ours TF/s':>9} "
@@ -232,6 +257,12 @@ def main() -> None:
     print(f"{'tokens':>6} {'moe_few':>9} {'MLP':>9}")
     for r in fold:
         print(f"{r['tokens']:>6} {r['moe_few_ms']:>9.4f} {r['mlp_side_stream_ms']:>9.4f}")
+    print(f"\nthe skinny GEMM's tile height, routed experts' GEMMs alone (ms, GPU time; fraction of the copy "
+          f"bandwidth over the experts touched; the engine's: {SKINNY_ROWS} rows):")
+    print(f"{'tokens':>6} {'touched':>7} {'most':>4} " + " ".join(f"{f'{r_} rows':>16}" for r_ in SKINNY_ROWS_COMPILED))
+    for r in skinny_rows:
+        print(f"{r['tokens']:>6} {r['experts_touched']:>7} {r['max_choices_per_expert']:>4} " + " ".join(
+            f"{r[f'rows_{r_}_ms']:>8.4f} ({r[f'rows_{r_}_fraction_of_copy']:.2f})" for r_ in SKINNY_ROWS_COMPILED))
     for c in checks:
         print(f"ours vs transformers at {c['tokens']} tokens: max |diff| {c['max_abs_diff_vs_transformers']:.3g} "
               f"(max |out| {c['max_abs_ref']:.3g})")
@@ -242,7 +273,8 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "copy_bandwidth_Bps": bw,
         "tuning": dataclasses.asdict(MoETuning()), "recommended": dataclasses.asdict(recommended),
         "layer": rows, "paths": sweep, "gemv_variants": variants, "per_choice_layer": per_choice,
-        "shared_stream": streams, "moe_few": fold, "checks": checks, "seconds": time.time() - start,
+        "shared_stream": streams, "moe_few": fold, "skinny_rows": skinny_rows, "checks": checks,
+        "seconds": time.time() - start,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_moe.json").write_text(json.dumps(result, indent=1))

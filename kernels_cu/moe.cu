@@ -9,7 +9,7 @@
 // and for a few tokens (decode): moe_route_few (the router, and the shared experts' gate|up beside it),
 // then moe_gemv_gate_up / moe_gemv_down_combine over the T*k choices directly, the shared experts as more
 // choices of weight 1 (y rows in choice order; the down launch also does the combine); for tens of tokens moe_skinny<GATE_UP / DOWN> on
-// tiles of 8 sorted rows (moe_align with BLOCK = 8), the tokens as the narrow side of the mma.
+// tiles of 16 sorted rows (moe_align with BLOCK = 16), the tokens as the narrow side of the mma.
 // The router of one token (route_token) and silu_mul live in moe_common.cuh, shared with chapter 08's
 // lesson kernels (lessons/moe_grouped.cu).
 //
@@ -462,68 +462,73 @@ moe_gemv_down_combine(T* __restrict__ out, const T* __restrict__ h, const T* __r
 }
 
 // ------------------------------------------------------------------------------------------------
-// Skinny grouped GEMM (decode batches of tens of tokens, bf16/fp16). moe_align with BLOCK =
-// SKINNY_ROWS = 8 groups the choices by expert into tiles of 8 sorted rows, one expert per tile, so
+// Skinny grouped GEMM (decode batches of tens of tokens, bf16/fp16). moe_align with BLOCK = ROWS
+// (16 in the engine) groups the choices by expert into tiles of ROWS sorted rows, one expert per tile, so
 // each expert's weights are read once per tile (the per-choice GEMV reads them once per choice). The
 // tile's few tokens are the short side: the mma's 16-row M side takes 16 weight rows (16 output
-// columns) and its 8-wide N side the tile's 8 tokens, out^T = W x^T.
+// columns) and its 8-wide N side 8 of the tile's tokens, out^T = W x^T; the tile's NT = ROWS / 8 groups
+// of 8 tokens are NT mmas on the same weight registers.
 // The weights go from global memory straight into registers (no shared memory, no barrier): thread
 // (g, q) of a warp (g = lane / 4, q = lane % 4) loads 32 contiguous bytes, k = k0 + 16q ... k0 + 16q + 15,
 // of weight rows g and g + 8 (so the warp reads 128 contiguous bytes of each of its rows per step),
-// and the same 16 k of token g's input row. A sum over k does not depend on the order of the k, so
-// those registers serve as the fragments of four m16n8k16 mmas with the k relabelled: mma (j, half)
-// takes k0 + 16q + 8j + 4 half + {0, 1, 2, 3} as its k = {2q, 2q+1, 2q+8, 2q+9} (the fragment layout
-// above). A and B are relabelled alike, so every product is a weight times its own input.
+// and the same 16 k of the input rows of tokens g, g + 8, ... . A sum over k does not depend on the order of the
+// k, so those registers serve as the fragments of four m16n8k16 mmas per token group with the k
+// relabelled: mma (j, half) takes k0 + 16q + 8j + 4 half + {0, 1, 2, 3} as its k = {2q, 2q+1, 2q+8, 2q+9}
+// (the fragment layout above). A and B are relabelled alike, so every product is a weight times its own
+// input, summed in the same order whatever NT: a token's result does not depend on its tile's size.
 // 32 bytes per thread and step (128 per row and warp) keep enough loads in flight (chapter 08's
-// exercise 6 weighs 16 against 32).
+// exercise 6 weighs 16 against 32). Tiles of 16 rather than 8 tokens halve the weight reads of an
+// expert that gets 9 to 16 choices (most of them from batch 128 on); 32 need too many registers
+// (benchmarks/bench_moe.py weighs 8, 16 and 32).
 // One warp owns 16 output columns over the whole K (GATE_UP: 16 gate rows and the 16 matching up rows,
 // sharing the input registers); blockIdx.x = tile, blockIdx.y = a slab of SKINNY_WARPS x 16 columns.
 // The host checks K % 64 == 0 and n_out % 16 == 0.
-// GATE_UP: out = h [tiles * 8, I], a_src = x [T, H] (slot s reads token sorted_rows[s] / topk; padding
+// GATE_UP: out = h [tiles * ROWS, I], a_src = x [T, H] (slot s reads token sorted_rows[s] / topk; padding
 //          slots read nothing and get h = 0), w_all = gate_up [E, 2I, H].
-// DOWN:    out = y [tiles * 8, H], a_src = h (slot s reads row s), w_all = down [E, H, I].
+// DOWN:    out = y [tiles * ROWS, H], a_src = h (slot s reads row s), w_all = down [E, H, I].
 // ------------------------------------------------------------------------------------------------
-constexpr int SKINNY_WARPS = DSV2_MOE_SKINNY_WARPS, SKINNY_ROWS = DSV2_MOE_SKINNY_ROWS;  // set in moe_routing.py
-static_assert(SKINNY_ROWS == 8, "a tile's tokens are the 8-wide N side of the mma");
+constexpr int SKINNY_WARPS = DSV2_MOE_SKINNY_WARPS;  // set in moe_routing.py
 
-template <typename T, bool GATE_UP>
+template <typename T, bool GATE_UP, int ROWS>
 __global__ void __launch_bounds__(SKINNY_WARPS * 32)
 moe_skinny(T* __restrict__ out, const T* __restrict__ a_src, const T* __restrict__ w_all, const int* __restrict__ sorted_rows,
            const int* __restrict__ tile_expert, int n_out, int K, int topk) {
     wait_for_prior_grids();
-    constexpr int NM = GATE_UP ? 2 : 1;  // weight matrices sharing the input: gate and up, or down
+    constexpr int NM = GATE_UP ? 2 : 1;   // weight matrices sharing the input: gate and up, or down
+    constexpr int NT = ROWS / 8;          // groups of 8 tokens sharing the weights
+    static_assert(ROWS % 8 == 0, "a tile's tokens are groups of 8, the 8-wide N side of the mma");
     const int tile = blockIdx.x, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int e = tile_expert[tile];
     const int n0 = (blockIdx.y * SKINNY_WARPS + (threadIdx.x >> 5)) * 16;
     if (e < 0 || n0 >= n_out) return;  // an unused tile, or past the last column; no barrier follows
-    const long long s = (long long)tile * SKINNY_ROWS + g;  // this thread's input slot (token g of the tile)
-    const T* xr;
-    if constexpr (GATE_UP) {
-        const int c = sorted_rows[s];
-        xr = c >= 0 ? a_src + (long long)(c / topk) * K : nullptr;
-    } else {
-        xr = a_src + s * K;
+    const T* xr[NT];  // this thread's input rows: slots tile * ROWS + 8 nt + g (token g of group nt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const long long s = (long long)tile * ROWS + 8 * nt + g;
+        const int c = GATE_UP ? sorted_rows[s] : 0;  // GATE_UP: the slot's choice, -1 for padding
+        xr[nt] = GATE_UP ? (c >= 0 ? a_src + (long long)(c / topk) * K : nullptr) : a_src + s * K;
     }
-    const T* w_lo[NM];
-    const T* w_hi[NM];
+    const T *w_lo[NM], *w_hi[NM];
 #pragma unroll
     for (int m = 0; m < NM; ++m) {  // GATE_UP: m = 0 gate rows, m = 1 up rows (I further on)
         const T* W = w_all + (long long)e * NM * n_out * K + (long long)(m * n_out + n0 + g) * K;
         w_lo[m] = W;
         w_hi[m] = W + 8LL * K;
     }
-    float acc[NM][4] = {};
+    float acc[NM][NT][4] = {};
 #pragma unroll 2
     for (int k = 16 * q; k < K; k += 64) {
-        uint4 b[2], lo[NM][2], hi[NM][2];
+        uint4 b[NT][2], lo[NM][2], hi[NM][2];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {  // all loads of the step first, then the mmas
-            b[j] = xr ? *reinterpret_cast<const uint4*>(xr + k + 8 * j) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
             for (int m = 0; m < NM; ++m) {
                 lo[m][j] = *reinterpret_cast<const uint4*>(w_lo[m] + k + 8 * j);
                 hi[m][j] = *reinterpret_cast<const uint4*>(w_hi[m] + k + 8 * j);
             }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                b[nt][j] = xr[nt] ? *reinterpret_cast<const uint4*>(xr[nt] + k + 8 * j) : make_uint4(0u, 0u, 0u, 0u);
         }
 #pragma unroll
         for (int j = 0; j < 2; ++j)
@@ -531,22 +536,28 @@ moe_skinny(T* __restrict__ out, const T* __restrict__ a_src, const T* __restrict
             for (int m = 0; m < NM; ++m) {
                 const unsigned a0[4] = {lo[m][j].x, hi[m][j].x, lo[m][j].y, hi[m][j].y};
                 const unsigned a1[4] = {lo[m][j].z, hi[m][j].z, lo[m][j].w, hi[m][j].w};
-                mma16816<T>(acc[m], a0, b[j].x, b[j].y);
-                mma16816<T>(acc[m], a1, b[j].z, b[j].w);
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    mma16816<T>(acc[m][nt], a0, b[nt][j].x, b[nt][j].y);
+                    mma16816<T>(acc[m][nt], a1, b[nt][j].z, b[nt][j].w);
+                }
             }
     }
-    // C fragment: c = 0..3 is output column n0 + g + 8 (c >> 1) of slot tile * 8 + 2q + (c & 1).
+    // C fragment of group nt: c = 0..3 is output column n0 + g + 8 (c >> 1) of slot tile * ROWS + 8 nt + 2q + (c & 1).
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        const long long slot = (long long)tile * SKINNY_ROWS + 2 * q + (c & 1);
-        const int n = n0 + g + 8 * (c >> 1);
-        if constexpr (GATE_UP) {
-            const bool valid = sorted_rows[slot] >= 0;
-            out[slot * n_out + n] = from_float<T>(valid ? silu_mul(round_to<T>(acc[0][c]), round_to<T>(acc[1][c])) : 0.f);
-        } else {
-            out[slot * n_out + n] = from_float<T>(acc[0][c]);
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const long long slot = (long long)tile * ROWS + 8 * nt + 2 * q + (c & 1);
+            const int n = n0 + g + 8 * (c >> 1);
+            if constexpr (GATE_UP) {
+                const bool valid = sorted_rows[slot] >= 0;
+                out[slot * n_out + n] =
+                    from_float<T>(valid ? silu_mul(round_to<T>(acc[0][nt][c]), round_to<T>(acc[1][nt][c])) : 0.f);
+            } else {
+                out[slot * n_out + n] = from_float<T>(acc[0][nt][c]);
+            }
         }
-    }
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from dsv2_lib.core.config import TINY
 from dsv2_lib.core.dtypes import default_dtype
 from dsv2_lib.model.moe import MoE
-from dsv2_lib.ops.moe_experts import MoETuning, choose_path, moe_experts, routed_experts
+from dsv2_lib.ops.moe_experts import MoETuning, choose_path, moe_experts, routed_experts, skinny_experts
 from dsv2_lib.ops.moe_routing import moe_align, moe_align_reference, route, topk_softmax
 
 
@@ -352,6 +352,13 @@ def test_shapes_the_kernels_do_not_take_choose_another_path():
     assert choose_path(200, torch.bfloat16, 64, 2048, 1408, grouped_mm=False) == "mma"  # torch without _grouped_mm
     assert choose_path(1, torch.bfloat16, 257, 2048, 1408) == "reference"  # E > MAX_EXPERTS
     assert choose_path(1, torch.bfloat16, 64, 2044, 1408) == "reference"  # H not a multiple of 8
+
+
+def test_the_skinny_gemm_refuses_a_tile_height_it_was_not_compiled_for():
+    x, ids = torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.int64)
+    gate_up, down = torch.zeros(4, 128, 64, dtype=torch.bfloat16), torch.zeros(4, 64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"rows must be one of \(8, 16, 32\), got 12"):
+        skinny_experts(x, ids, gate_up, down, rows=12)
 
 
 def test_a_tuning_record_forces_a_path():

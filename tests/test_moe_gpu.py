@@ -162,13 +162,31 @@ def test_every_path_matches_reference(path, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("path,t", [("mma", 300), ("skinny", 100)])
 def test_one_expert_takes_all_tokens(path, t, dtype):
-    # 300 rows of one expert in 64-row tiles; 100 in 13 tiles of 8, the last partly padding
+    # 300 rows of one expert in 64-row tiles; 100 in 7 tiles of 16, the last partly padding
     gate_up, down = experts(16, 256, 128, dtype)
     x = torch.randn(t, 256, device="cuda").to(dtype)
     ids = torch.full((t, 1), 11, dtype=torch.int64, device="cuda")
     w = torch.rand(t, 1, device="cuda")
     got = moe_experts(x, w, ids, gate_up, down, tuning=FORCE[path])
     assert close(got, routed_experts(x, w, ids, gate_up, down), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_skinny_tile_height_changes_no_bit(dtype):
+    """Every compiled tile height (8, 16, 32 rows) sums a token's products in the same order: the same
+    bits for every choice, and the reference's values. 40 tokens x 6 of 16 experts give each expert about
+    15 choices: tiles of 8 split every expert, tiles of 16 and 32 carry padding."""
+    gate_up, down = experts(16, 256, 128, dtype, seed=3)
+    x = torch.randn(40, 256, device="cuda").to(dtype)
+    w, ids = random_choice(40, 6, 16, seed=3)
+    got = {}
+    for rows in moe_routing.SKINNY_ROWS_COMPILED:
+        y, slot_of = experts_op.skinny_experts(x, ids, gate_up, down, rows=rows)
+        got[rows] = y[slot_of.long()]  # choice order
+    first = got[moe_routing.SKINNY_ROWS_COMPILED[0]]
+    assert all(torch.equal(first, y) for y in got.values())
+    combined = experts_op.combine(first, w, None, None)
+    assert close(combined, routed_experts(x, w, ids, gate_up, down), dtype)
 
 
 def few_layer(name, shared, dtype):

@@ -37,6 +37,7 @@ from dsv2_lib.ops.moe_routing import (
     MAX_EXPERTS,
     MOE_CU,
     SKINNY_ROWS,
+    SKINNY_ROWS_COMPILED,
     SKINNY_WARPS,
     TILE_M,
     moe_align,
@@ -205,10 +206,11 @@ def _ptr_or_null(t: torch.Tensor | None):
     return np.uint64(0) if t is None else kernels.ptr(t)
 
 
-def _tile_experts(x, ids, gate_up_proj, down_proj, kernel: str, rows: int, cols: tuple[int, int], warps: int):
+def _tile_experts(x, ids, gate_up_proj, down_proj, kernel: str, rows: int, cols: tuple[int, int], warps: int,
+                  template_tail: str = ""):
     """The two launches of a tiled kernel over ``moe_align``'s tiles of ``rows`` sorted rows, one expert
     each: gate|up then down, grid (tiles, slabs of ``cols`` = (gate|up, down) output columns), ``warps``
-    warps a block: (y [tiles·rows, H] in sorted order, slot_of)."""
+    warps a block, ``kernel<T, GATE_UP{template_tail}>``: (y [tiles·rows, H] in sorted order, slot_of)."""
     k, (e, i2, h) = ids.shape[1], gate_up_proj.shape
     i, ct = i2 // 2, CUDA_TYPE[x.dtype]
     sorted_rows, slot_of, tile_expert, _ = moe_align(ids, e, rows)
@@ -217,7 +219,7 @@ def _tile_experts(x, ids, gate_up_proj, down_proj, kernel: str, rows: int, cols:
     y = torch.empty(tiles * rows, h, dtype=x.dtype, device=x.device)
     for name, out, a, w, n_out, kdim, n_cols in (("true", hid, x, gate_up_proj, i, h, cols[0]),
                                                  ("false", y, hid, down_proj, h, i, cols[1])):
-        MOE_CU.launch(f"{kernel}<{ct}, {name}>", x.device, (tiles, -(-n_out // n_cols)), (32 * warps,),
+        MOE_CU.launch(f"{kernel}<{ct}, {name}{template_tail}>", x.device, (tiles, -(-n_out // n_cols)), (32 * warps,),
                       out=kernels.ptr(out), a_src=kernels.ptr(a), w_all=kernels.ptr(w),
                       sorted_rows=kernels.ptr(sorted_rows), tile_expert=kernels.ptr(tile_expert), n_out=np.int32(n_out),
                       K=np.int32(kdim), topk=np.int32(k))
@@ -230,11 +232,13 @@ def _mma_experts(x, ids, gate_up_proj, down_proj):
     return _tile_experts(x, ids, gate_up_proj, down_proj, "moe_gemm", TILE_M, (GEMM_BN // 2, GEMM_BN), GEMM_WARPS)
 
 
-def skinny_experts(x, ids, gate_up_proj, down_proj):
-    """Our skinny grouped GEMMs (``moe_skinny``, bf16/fp16, H and I multiples of 64) on tiles of
-    SKINNY_ROWS sorted rows, one expert per tile: (y [tiles·SKINNY_ROWS, H] in sorted order, slot_of)."""
+def skinny_experts(x, ids, gate_up_proj, down_proj, rows: int = SKINNY_ROWS):
+    """Our skinny grouped GEMMs (``moe_skinny``, bf16/fp16, H and I multiples of 64) on tiles of ``rows``
+    sorted rows (one of SKINNY_ROWS_COMPILED), one expert per tile: (y [tiles·rows, H] in sorted order, slot_of)."""
+    if rows not in SKINNY_ROWS_COMPILED:
+        raise ValueError(f"skinny_experts: rows must be one of {SKINNY_ROWS_COMPILED}, got {rows!r}")
     cols = 16 * SKINNY_WARPS
-    return _tile_experts(x, ids, gate_up_proj, down_proj, "moe_skinny", SKINNY_ROWS, (cols, cols), SKINNY_WARPS)
+    return _tile_experts(x, ids, gate_up_proj, down_proj, "moe_skinny", rows, (cols, cols), SKINNY_WARPS, f", {rows}")
 
 
 def _grouped_mm_experts(x, ids, gate_up_proj, down_proj):

@@ -30,7 +30,8 @@ GEMV_THREADS = 32 * GEMV_WARPS
 GATE_UP_COLS = 2             # output columns per warp of the per-choice gate|up GEMV
 DOWN_COLS = 4                # output columns per block of the down GEMV + combine (all of a token's choices)
 TILE_M, GEMM_BN, GEMM_WARPS = 64, 128, 4  # grouped GEMM: rows per tile, weight rows per block, warps (BM, BN)
-SKINNY_ROWS = 8              # sorted rows (tokens) per tile of the skinny GEMM
+SKINNY_ROWS = 16             # sorted rows (tokens) per tile of the skinny GEMM: two mma groups of 8
+SKINNY_ROWS_COMPILED = (8, 16, 32)  # the tile heights compiled, so that benchmarks/bench_moe.py can weigh them
 SKINNY_WARPS = 4             # warps per block of the skinny GEMM, 16 output columns each
 # The constants of kernels_cu/moe_common.cuh, for every kernel file that includes it.
 HEADER_DEFINES = {"DSV2_MOE_ROUTER_PER_LANE": ROUTER_PER_LANE}
@@ -41,10 +42,11 @@ MOE_CU = kernels.declare(
     + [f"moe_gemm<{t}, {g}>" for t in ("__nv_bfloat16", "__half") for g in ("true", "false")]
     + [f"{k}<{t}>" for k in ("moe_route_few", "moe_gemv_gate_up", "moe_gemv_down_combine", "moe_combine")
        for t in CUDA_TYPE.values()]
-    + [f"moe_skinny<{t}, {g}>" for t in ("__nv_bfloat16", "__half") for g in ("true", "false")],
+    + [f"moe_skinny<{t}, {g}, {r}>" for t in ("__nv_bfloat16", "__half") for g in ("true", "false")
+       for r in SKINNY_ROWS_COMPILED],
     {**HEADER_DEFINES, "DSV2_MOE_GEMV_WARPS": GEMV_WARPS, "DSV2_MOE_GATE_UP_COLS": GATE_UP_COLS,
      "DSV2_MOE_DOWN_COLS": DOWN_COLS, "DSV2_MOE_GEMM_BM": TILE_M, "DSV2_MOE_GEMM_BN": GEMM_BN,
-     "DSV2_MOE_GEMM_WARPS": GEMM_WARPS, "DSV2_MOE_SKINNY_ROWS": SKINNY_ROWS, "DSV2_MOE_SKINNY_WARPS": SKINNY_WARPS},
+     "DSV2_MOE_GEMM_WARPS": GEMM_WARPS, "DSV2_MOE_SKINNY_WARPS": SKINNY_WARPS},
 )
 
 
