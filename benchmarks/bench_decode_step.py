@@ -42,7 +42,8 @@ from dsv2_lib.tools import bench
 
 CONTEXT, BLOCK, BATCHES, STEPS = 512, 16, (1, 8, 32, 128), 50
 PER_SEQUENCE = CONTEXT // BLOCK + 1  # blocks per sequence: its context and the new token's row
-KINDS = (("linear_gemv", "projections (our GEMV)"), ("mla_absorb", "MLA absorbed products"),
+KINDS = (("linear_gemv", "projections (our GEMV)"), ("linear_skinny", "projections (our skinny GEMM)"),
+         ("mla_absorb", "MLA absorbed products"),
          ("mla_decode", "MLA decode attention"), ("moe_route", "MoE routing"), ("topk", "MoE routing"),
          ("moe", "MoE experts"), ("rms_norm", "RMSNorm"), ("rope", "RoPE"), ("cache", "cache write"),
          ("embed", "embedding"), ("nvjet", "cuBLAS"), ("gemm", "cuBLAS"), ("cutlass", "cuBLAS"), ("sm90", "cuBLAS"),

@@ -6,7 +6,10 @@ gate_up and down, the LM head) and 1 to 4 tokens, the GPU time (replayed CUDA gr
 each as bandwidth (the weight's bytes over the time) against a copy of the same bytes. Weights are
 replicated and rotated past 256 MB so that L2 cannot serve them. The engine's threshold
 ``gemv.GEMV_MAX_TOKENS`` is the largest token count at which the kernel wins on every attention
-projection. JSON to ``$DSV2_RESULTS_DIR`` (default /tmp) as ``bench_gemv.json``.
+projection. Then the same for the skinny GEMM (``gemv.linear_skinny``, tensor cores) at 3 to 64 tokens
+on the same projections and the shared experts' (record section ``skinny``): the largest token count up
+to which it wins on every attention projection. JSON to ``$DSV2_RESULTS_DIR`` (default /tmp) as
+``bench_gemv.json``.
 """
 from __future__ import annotations
 
@@ -17,12 +20,14 @@ import torch
 import torch.nn.functional as F
 from bench_mla_decode import copy_bandwidth, kernel_device, save
 
-from dsv2_lib.ops.gemv import GEMV_MAX_TOKENS, TOKENS_COMPILED, linear
+from dsv2_lib.ops.gemv import GEMV_MAX_TOKENS, TOKENS_COMPILED, linear, linear_skinny
 from dsv2_lib.tools import benchmark
 
 SHAPES = {"q_proj": (3072, 2048), "kv_a_proj": (576, 2048), "o_proj": (2048, 2048),
           "mlp gate_up": (21888, 2048), "mlp down": (2048, 10944), "lm_head": (102400, 2048)}
+SKINNY_SHAPES = {**SHAPES, "shared gate_up": (5632, 2048), "shared down": (2048, 2816)}
 ATTENTION = ("q_proj", "kv_a_proj", "o_proj")
+SKINNY_TOKENS = (3, 4, 8, 16, 32, 64)
 
 
 def main() -> int:
@@ -61,9 +66,46 @@ def main() -> int:
     threshold = max([t for t in wins if all(wins[s] for s in range(1, t + 1))], default=0)
     print(f"the GEMV wins on every attention projection up to {threshold} token(s); "
           f"gemv.GEMV_MAX_TOKENS = {GEMV_MAX_TOKENS}{'' if threshold == GEMV_MAX_TOKENS else '  <- update it'}")
+    skinny, skinny_threshold = skinny_sweep(dev)
     save("bench_gemv.json", "dense GEMV vs cuBLAS, bf16, V2-Lite's projections", "faster than cuBLAS up to "
-         "GEMV_MAX_TOKENS tokens on every attention projection", results, t0, measured_threshold=threshold)
+         "GEMV_MAX_TOKENS tokens on every attention projection", results, t0, measured_threshold=threshold,
+         skinny=skinny, skinny_measured_threshold=skinny_threshold)
     return 0
+
+
+def skinny_sweep(dev: torch.device) -> tuple[list[dict], int]:
+    """cuBLAS against the skinny GEMM at SKINNY_TOKENS on SKINNY_SHAPES (weights rotated past L2): the
+    records, and the largest token count up to which the skinny GEMM wins on every attention projection."""
+    rows, wins = [], {t: True for t in SKINNY_TOKENS}
+    print(f"\n{'projection':>14} {'MB':>6} {'T':>2} | {'cuBLAS µs':>9} {'% copy':>6} | {'skinny µs':>9} {'% copy':>6}")
+    for name, (n, k) in SKINNY_SHAPES.items():
+        nbytes = n * k * 2
+        weights = benchmark.rotated(lambda: (torch.randn(n, k, device=dev) / k**0.5).to(torch.bfloat16), nbytes)
+        _, copy_bw = copy_bandwidth(weights, nbytes)
+        for t in SKINNY_TOKENS:
+            x = torch.randn(t, k, device=dev).to(torch.bfloat16)
+            state = {"i": 0}
+
+            def call(fn):
+                w = weights[state["i"] % len(weights)]
+                state["i"] += 1
+                fn(x, w)
+
+            ms = [benchmark.time_cuda_graph(lambda: call(fn), calls=max(20, len(weights)))
+                  for fn in (F.linear, linear_skinny)]
+            frac = [nbytes / (m * 1e-3) / copy_bw for m in ms]
+            print(f"{name:>14} {nbytes / 1e6:>6.1f} {t:>2} | {ms[0] * 1e3:>9.1f} {100 * frac[0]:>5.0f}% |"
+                  f" {ms[1] * 1e3:>9.1f} {100 * frac[1]:>5.0f}%")
+            if name in ATTENTION:
+                wins[t] &= ms[1] < ms[0]
+            rows.append({"projection": name, "n": n, "k": k, "tokens": t, "weight_bytes": nbytes, "cublas_ms": ms[0],
+                         "skinny_ms": ms[1], "cublas_fraction_of_copy": frac[0], "skinny_fraction_of_copy": frac[1],
+                         "copy_GBps": copy_bw / 1e9})
+        del weights
+        torch.cuda.empty_cache()
+    threshold = max([t for t in SKINNY_TOKENS if all(wins[s] for s in SKINNY_TOKENS if s <= t)], default=0)
+    print(f"the skinny GEMM wins on every attention projection up to {threshold} tokens")
+    return rows, threshold
 
 
 if __name__ == "__main__":

@@ -1,17 +1,28 @@
-"""The dense GEMV (kernels_cu/gemv.cu) against exact products (``pytest -m gpu``).
+"""The dense GEMV and skinny GEMM (kernels_cu/gemv.cu) against exact products (``pytest -m gpu``).
 
 Tolerance: the kernel multiplies exactly (FMA), sums each lane's K/32 products in order and the 32 lane
 sums in a 5-level shuffle tree, in fp32, then rounds once to the dtype. The fp32 sums differ from the
 exact sum by at most about (K/32 + 5) 2^-24 sum|terms|, the rounding by u |result| (u = 2^-8 for bf16,
 2^-11 for fp16); the test allows u |exact| + 2 (K/32 + 5) 2^-24 sum|terms|, exact in fp64 from the same
 16-bit inputs (the factor 2 covers the second-order terms and the rounding of the error itself).
+The skinny GEMM's sums run on the tensor cores: each mma adds 16 products to its fp32 accumulator, a
+warp chains K / (16 SKINNY_WARPS) of them and the block adds its SKINNY_WARPS partials; the test allows
+an error of 2^-23 (the tensor cores may truncate rather than round) per addition of that chain.
 """
 import pytest
 import torch
 import torch.nn.functional as F
 
 from dsv2_lib.model.layers import Linear
-from dsv2_lib.ops.gemv import GEMV_MAX_TOKENS, TOKENS_COMPILED, gemv_applies, linear
+from dsv2_lib.ops.gemv import (
+    GEMV_MAX_TOKENS,
+    SKINNY_WARPS,
+    TOKENS_COMPILED,
+    gemv_applies,
+    linear,
+    linear_skinny,
+    skinny_applies,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_on")]
 
@@ -28,12 +39,14 @@ def inputs(t, n, k, dtype, seed=0):
     return x, w
 
 
-def within_bound(got, x, w, dtype):
+def within_bound(got, x, w, dtype, additions=None):
+    """|got - exact| <= u |exact| + 2 * additions * 2^-24 * sum|terms| (the GEMV's K/32 + 5 by default)."""
     exact = x.double() @ w.double().T
     magnitude = x.double().abs() @ w.double().abs().T
     k = x.shape[-1]
+    additions = k / 32 + 5 if additions is None else additions
     err = (got.double() - exact).abs()
-    return bool((err <= U[dtype] * exact.abs() + 2 * (k / 32 + 5) * 2**-24 * magnitude).all())
+    return bool((err <= U[dtype] * exact.abs() + 2 * additions * 2**-24 * magnitude).all())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -92,3 +105,69 @@ def test_cuda_graph_replays_the_kernel_on_new_inputs():
         static.copy_(fresh)
         graph.replay()
         assert torch.equal(out, linear(fresh, w))
+
+
+# ---- the skinny GEMM: 3 to 64 tokens on the tensor cores -------------------------------------------
+# V2-Lite's q_proj, kv_a_proj_with_mqa, shared experts' down_proj; the smallest block (16 rows, one k-step);
+# a K that leaves some warps without a k-step
+SKINNY_SHAPES = [(3072, 2048), (576, 2048), (2048, 2816), (16, 64), (48, 192)]
+
+
+def skinny_bound(got, x, w, dtype):
+    k = x.shape[-1]
+    return within_bound(got, x, w, dtype, additions=2 * (k / (16 * SKINNY_WARPS) + SKINNY_WARPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [3, 8, 9, 17, 32, 33, 64, 100])
+@pytest.mark.parametrize("n,k", SKINNY_SHAPES)
+def test_skinny_matches_exact_products(dtype, t, n, k):
+    """Token counts at and past each group size (8, 16, 32) and past one block's 32 tokens."""
+    x, w = inputs(t, n, k, dtype, seed=t)
+    assert skinny_applies(x, w)
+    got = linear_skinny(x, w)
+    assert got.shape == (t, n) and got.dtype == dtype
+    assert skinny_bound(got, x, w, dtype)
+    assert torch.equal(got, linear_skinny(x, w))  # the warps' partials are added in a fixed order
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_skinny_takes_strided_rows_and_leading_dimensions(dtype):
+    """Rows of a wider tensor (a row stride of K + 8) and x [2, T, K]: the kernel reads them in place,
+    and a token's result does not depend on the tokens beside it."""
+    x, w = inputs(24, 576, 2048, dtype)
+    wide = torch.zeros(24, 2048 + 8, dtype=dtype, device="cuda")
+    wide[:, :2048] = x
+    assert skinny_applies(wide[:, :2048], w)
+    assert torch.equal(linear_skinny(wide[:, :2048], w), linear_skinny(x, w))
+    got = linear_skinny(x.view(2, 12, 2048), w)
+    assert got.shape == (2, 12, 576) and torch.equal(got.view(24, 576), linear_skinny(x, w))
+    assert torch.equal(linear_skinny(x[5:8], w), linear_skinny(x, w)[5:8])
+
+
+def test_skinny_refuses_what_it_was_not_written_for():
+    """K not a multiple of 64, N not of 16, fp32, a weight of another dtype, a row off a 16-byte
+    boundary, a transposed weight, no rows: refused by name, nothing launched."""
+    x, w = inputs(4, 64, 256, torch.bfloat16)
+    cases = [(x[:, :192 + 8], w[:, :200].contiguous()), (x, w[:48 + 8].contiguous()), (x.float(), w.float()),
+             (x, w.half()), (torch.empty(4, 257, dtype=torch.bfloat16, device="cuda")[:, 1:].copy_(x), w),
+             (x, w.T.contiguous().T), (x[:0], w)]
+    for xi, wi in cases:
+        assert not skinny_applies(xi, wi)
+        with pytest.raises(ValueError, match="linear_skinny: takes 16-bit CUDA rows"):
+            linear_skinny(xi, wi)
+
+
+@pytest.mark.cuda_graph
+def test_cuda_graph_replays_the_skinny_gemm_on_new_inputs():
+    x, w = inputs(32, 2048, 2048, torch.bfloat16)
+    static = x.clone()
+    linear_skinny(static, w)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear_skinny(static, w)
+    for seed in (1, 2):
+        fresh, _ = inputs(32, 2048, 2048, torch.bfloat16, seed=seed)
+        static.copy_(fresh)
+        graph.replay()
+        assert torch.equal(out, linear_skinny(fresh, w))

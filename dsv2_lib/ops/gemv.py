@@ -1,4 +1,4 @@
-"""Dense projections of one or two tokens as a GEMV (chapter 14): ``y [T, N] = x [T, K] · weight [N, K]ᵀ``.
+"""Dense projections of a few tokens (chapter 14): ``y [T, N] = x [T, K] · weight [N, K]ᵀ``.
 
 At decode's batch 1 a projection is a matrix–vector product whose time is reading its weight
 (2–13 MB for V2-Lite's attention projections, 135 MB for layer 0's MLP); cuBLAS's kernels for that
@@ -7,6 +7,11 @@ shape reach well under half the copy bandwidth (chapter 14's profile). ``linear_
 accumulates in fp32 and rounds once, as cuBLAS does (in another order: the two differ by roundings).
 It takes ``x`` of up to :data:`GEMV_MAX_TOKENS` rows of a 16-bit CUDA tensor; everything else goes
 to ``F.linear``, which is also the reference.
+
+For a few tens of tokens (decode batches), :func:`linear_skinny` (``kernels_cu/linear_skinny.cu``) runs
+the product on the tensor cores with chapter 08's skinny layout (the weight's rows as the mma's 16-row
+side, the tokens in groups of 8 as its 8-wide side), the weight read once per 32 tokens, the block's
+warps splitting K.
 """
 from __future__ import annotations
 
@@ -20,8 +25,12 @@ from dsv2_lib.core.kernels import CUDA_TYPE
 GEMV_MAX_TOKENS = 2  # tokens (rows of x) up to which the engine runs the GEMV; cuBLAS beyond (benchmarks/bench_gemv.py)
 TOKENS_COMPILED = 4  # the kernel is compiled for 1..4 rows, so that the benchmark can time it past the threshold
 WARPS = 4  # warps per block, two output columns each (gemv.cu's gemv::WARPS)
+SKINNY_WARPS = 8  # warps per block of linear_skinny, splitting K between them
+SKINNY_GROUPS = (1, 2, 4)  # groups of 8 tokens per block compiled: 8, 16 or 32 tokens share a weight read
 GEMV_CU = kernels.declare("gemv.cu", [f"linear_gemv<{t}, {n}>" for t in ("__half", "__nv_bfloat16")
                                       for n in range(1, TOKENS_COMPILED + 1)], {"DSV2_GEMV_WARPS": WARPS})
+SKINNY_CU = kernels.declare("linear_skinny.cu", [f"linear_skinny<{t}, {g}>" for t in ("__half", "__nv_bfloat16")
+                                                 for g in SKINNY_GROUPS], {"DSV2_GEMV_SKINNY_WARPS": SKINNY_WARPS})
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, max_tokens: int = GEMV_MAX_TOKENS) -> torch.Tensor:
@@ -40,20 +49,54 @@ def linear(x: torch.Tensor, weight: torch.Tensor, max_tokens: int = GEMV_MAX_TOK
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, max_tokens: int = GEMV_MAX_TOKENS) -> bool:
-    """The kernel can take this call: kernels on for ``x``, both 16-bit of one dtype on one device,
-    ``weight [N, K]`` contiguous, 1 to ``max_tokens`` rows of ``x`` whose last dimension is dense
-    with a row stride (and K) a multiple of 8 values, 16-byte aligned. Anything else is ``F.linear``'s:
-    the kernel never sees a shape it was not written for."""
+    """The kernel can take this call: 1 to ``max_tokens`` rows of ``x`` (at most :data:`TOKENS_COMPILED`)
+    that :func:`_kernel_rows` accepts, and K a multiple of 8 values. Anything else is ``F.linear``'s: the
+    kernel never sees a shape it was not written for."""
+    rows = _kernel_rows(x, weight)
+    return rows is not None and rows.shape[0] <= min(max_tokens, TOKENS_COMPILED) and rows.shape[1] % 8 == 0
+
+
+def linear_skinny(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias) for ``x [..., K]`` and ``weight [N, K]`` on the tensor cores
+    (``kernels_cu/linear_skinny.cu``, :func:`skinny_applies` inputs): blocks of 16 weight rows and up to 32
+    tokens (the fewest groups of 8 of :data:`SKINNY_GROUPS` that hold T, more blocks beyond 32)."""
+    if not skinny_applies(x, weight):
+        raise ValueError(f"linear_skinny: takes 16-bit CUDA rows x [T, K] and weight [N, K] of x's dtype with "
+                         f"K % 64 == 0 and N % 16 == 0, 16-byte aligned; got x {tuple(x.shape)} {x.dtype}, "
+                         f"weight {tuple(weight.shape)} {weight.dtype}")
+    K, N = x.shape[-1], weight.shape[0]
+    rows = x.reshape(-1, K)  # a view: skinny_applies checked that the rows are strided views of x
+    T = rows.shape[0]
+    groups = next((g for g in SKINNY_GROUPS if 8 * g >= T), SKINNY_GROUPS[-1])
+    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    SKINNY_CU.launch(f"linear_skinny<{CUDA_TYPE[x.dtype]}, {groups}>", x.device, (N // 16, -(-T // (8 * groups))),
+                   (32 * SKINNY_WARPS,), y=kernels.ptr(out), x=kernels.ptr(rows), w=kernels.ptr(weight),
+                   tokens=np.int32(T), N=np.int32(N), K=np.int32(K), x_stride=np.int64(rows.stride(0)),
+                   y_stride=np.int64(out.stride(0)))
+    return out.view(*x.shape[:-1], N)
+
+
+def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """:func:`linear_skinny` can take this call: rows that :func:`_kernel_rows` accepts, K a multiple of 64
+    (a warp's k-step) and N of 16 (a block's rows)."""
+    rows = _kernel_rows(x, weight)
+    return rows is not None and rows.shape[1] % 64 == 0 and weight.shape[0] % 16 == 0
+
+
+def _kernel_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as rows ``[T, K]`` (a view) if the kernels can read them: kernels on for ``x``, both 16-bit of
+    one dtype on one device, ``weight [N, K]`` contiguous with N > 0, at least one row, each dense with a
+    row stride a multiple of 8 values, all 16-byte aligned; else None."""
     if not kernels.use_kernels(x) or x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
-        return False
+        return None
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1] or x.device != weight.device:
-        return False
+        return None
     K = x.shape[-1]
-    T = x.numel() // K if K else 0
-    if not 1 <= T <= min(max_tokens, TOKENS_COMPILED) or K % 8 or weight.shape[0] == 0 or not weight.is_contiguous():
-        return False
+    if K == 0 or x.numel() == 0 or weight.shape[0] == 0 or not weight.is_contiguous():
+        return None
     try:
         rows = x.view(-1, K)
     except RuntimeError:  # not viewable as rows: F.linear copies
-        return False
-    return rows.stride(-1) == 1 and (T == 1 or rows.stride(0) % 8 == 0) and kernels.aligned16(rows, weight)
+        return None
+    ok = rows.stride(-1) == 1 and (rows.shape[0] == 1 or rows.stride(0) % 8 == 0) and kernels.aligned16(rows, weight)
+    return rows if ok else None

@@ -1,0 +1,72 @@
+// A dense projection of 3 to 64 tokens (decode batches, chapter 14): y [T, N] = x [T, K] . W [N, K]^T on
+// the tensor cores, the weight read once per 8 * NT tokens. The layout is chapter 08's skinny grouped
+// GEMM (moe.cu: moe_skinny) with one matrix instead of an expert per tile: a warp's 16 weight rows are
+// the mma's M side and groups of 8 tokens its N side, the weights loaded from global memory straight
+// into A-fragment registers (32 bytes per thread and step, the k relabelled), the inputs likewise.
+// Unlike an expert's tile, one matrix has too few rows to keep every SM busy with a warp per 16 rows
+// over the whole K (576 rows are 36 warps), so the block's SKINNY_WARPS warps share its 16 rows and
+// split K: warp w takes the 64-wide k-steps w, w + SKINNY_WARPS, ...; their partial sums meet in
+// shared memory and are added in warp order (fixed: the same result on every run). Block (c, r):
+// rows n0 = 16 c .. n0 + 15 of W, tokens 8 NT r .. 8 NT r + 8 NT - 1 of x (those past T read nothing
+// and write nothing; T = tokens). fp32 accumulation, rounded once, as cuBLAS and linear_gemv do (in other orders).
+// The host checks K % 64 == 0, N % 16 == 0, dtypes, strides and 16-byte alignment (gemv.py).
+#include "tensor_core.cuh"
+
+constexpr int SKINNY_WARPS = DSV2_GEMV_SKINNY_WARPS;  // warps per block, splitting K (set in dsv2_lib/ops/gemv.py)
+
+template <typename T, int NT>
+__global__ void __launch_bounds__(SKINNY_WARPS * 32)
+linear_skinny(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w, int tokens, int N, int K,
+              long long x_stride, long long y_stride) {
+    wait_for_prior_grids();
+    constexpr int W = SKINNY_WARPS;
+    __shared__ float part[W][NT * 4][32];  // warp w's partial C fragments, lane-minor (no bank conflicts)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int n0 = blockIdx.x * 16, t0 = blockIdx.y * 8 * NT;
+    const T* xr[NT];  // this thread's input rows: tokens t0 + 8 nt + g (nullptr past T: zeros)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int t = t0 + 8 * nt + g;
+        xr[nt] = t < tokens ? x + t * x_stride : nullptr;
+    }
+    const T* w_lo = w + (long long)(n0 + g) * K;
+    const T* w_hi = w_lo + 8LL * K;
+    float acc[NT][4] = {};
+#pragma unroll 2
+    for (int k = 64 * warp + 16 * q; k < K; k += 64 * W) {
+        uint4 lo[2], hi[2], b[NT][2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {  // all loads of the step first, then the mmas
+            lo[j] = *reinterpret_cast<const uint4*>(w_lo + k + 8 * j);
+            hi[j] = *reinterpret_cast<const uint4*>(w_hi + k + 8 * j);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                b[nt][j] = xr[nt] ? *reinterpret_cast<const uint4*>(xr[nt] + k + 8 * j) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const unsigned a0[4] = {lo[j].x, hi[j].x, lo[j].y, hi[j].y};
+            const unsigned a1[4] = {lo[j].z, hi[j].z, lo[j].w, hi[j].w};
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                mma16816<T>(acc[nt], a0, b[nt][j].x, b[nt][j].y);
+                mma16816<T>(acc[nt], a1, b[nt][j].z, b[nt][j].w);
+            }
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) part[warp][nt * 4 + c][lane] = acc[nt][c];
+    __syncthreads();
+    // Output (nt, c, lane) = C-fragment element c of group nt in lane (g, q): column n0 + g + 8 (c >> 1),
+    // token t0 + 8 nt + 2q + (c & 1). The block's threads take the NT * 128 outputs in turn.
+    for (int i = threadIdx.x; i < NT * 4 * 32; i += W * 32) {
+        const int f = i >> 5, l = i & 31, c = f & 3;
+        const int t = t0 + 8 * (f >> 2) + 2 * (l & 3) + (c & 1), n = n0 + (l >> 2) + 8 * (c >> 1);
+        float s = 0.f;
+#pragma unroll
+        for (int v = 0; v < W; ++v) s += part[v][f][l];
+        if (t < tokens) y[t * y_stride + n] = from_float<T>(s);
+    }
+}
