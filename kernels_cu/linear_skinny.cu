@@ -2,7 +2,7 @@
 // the tensor cores, the weight read once per 8 * NT tokens. The layout is chapter 08's skinny grouped
 // GEMM (moe.cu: moe_skinny) with one matrix instead of an expert per tile: a warp's 16 weight rows are
 // the mma's M side and groups of 8 tokens its N side, the weights loaded from global memory straight
-// into A-fragment registers (32 bytes per thread and step, the k relabelled), the inputs likewise.
+// into A-fragment registers (skinny_step in tensor_core.cuh).
 // Unlike an expert's tile, one matrix has too few rows to keep every SM busy with a warp per 16 rows
 // over the whole K (576 rows are 36 warps), so the block's SKINNY_WARPS warps share its 16 rows and
 // split K: warp w takes the 64-wide k-steps w, w + SKINNY_WARPS, ...; their partial sums meet in
@@ -29,35 +29,15 @@ linear_skinny(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ 
         const int t = t0 + 8 * nt + g;
         xr[nt] = t < tokens ? x + t * x_stride : nullptr;
     }
-    const T* w_lo = w + (long long)(n0 + g) * K;
-    const T* w_hi = w_lo + 8LL * K;
-    float acc[NT][4] = {};
+    const T* w_lo[1] = {w + (long long)(n0 + g) * K};
+    const T* w_hi[1] = {w_lo[0] + 8LL * K};
+    float acc[1][NT][4] = {};
 #pragma unroll 2
-    for (int k = 64 * warp + 16 * q; k < K; k += 64 * W) {
-        uint4 lo[2], hi[2], b[NT][2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {  // all loads of the step first, then the mmas
-            lo[j] = *reinterpret_cast<const uint4*>(w_lo + k + 8 * j);
-            hi[j] = *reinterpret_cast<const uint4*>(w_hi + k + 8 * j);
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-                b[nt][j] = xr[nt] ? *reinterpret_cast<const uint4*>(xr[nt] + k + 8 * j) : make_uint4(0u, 0u, 0u, 0u);
-        }
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const unsigned a0[4] = {lo[j].x, hi[j].x, lo[j].y, hi[j].y};
-            const unsigned a1[4] = {lo[j].z, hi[j].z, lo[j].w, hi[j].w};
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                mma16816<T>(acc[nt], a0, b[nt][j].x, b[nt][j].y);
-                mma16816<T>(acc[nt], a1, b[nt][j].z, b[nt][j].w);
-            }
-        }
-    }
+    for (int k = 64 * warp + 16 * q; k < K; k += 64 * W) skinny_step<T, 1, NT>(acc, w_lo, w_hi, xr, k);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) part[warp][nt * 4 + c][lane] = acc[nt][c];
+        for (int c = 0; c < 4; ++c) part[warp][nt * 4 + c][lane] = acc[0][nt][c];
     __syncthreads();
     // Output (nt, c, lane) = C-fragment element c of group nt in lane (g, q): column n0 + g + 8 (c >> 1),
     // token t0 + 8 nt + 2q + (c & 1). The block's threads take the NT * 128 outputs in turn.

@@ -468,14 +468,9 @@ moe_gemv_down_combine(T* __restrict__ out, const T* __restrict__ h, const T* __r
 // tile's few tokens are the short side: the mma's 16-row M side takes 16 weight rows (16 output
 // columns) and its 8-wide N side 8 of the tile's tokens, out^T = W x^T; the tile's NT = ROWS / 8 groups
 // of 8 tokens are NT mmas on the same weight registers.
-// The weights go from global memory straight into registers (no shared memory, no barrier): thread
-// (g, q) of a warp (g = lane / 4, q = lane % 4) loads 32 contiguous bytes, k = k0 + 16q ... k0 + 16q + 15,
-// of weight rows g and g + 8 (so the warp reads 128 contiguous bytes of each of its rows per step),
-// and the same 16 k of the input rows of tokens g, g + 8, ... . A sum over k does not depend on the order of the
-// k, so those registers serve as the fragments of four m16n8k16 mmas per token group with the k
-// relabelled: mma (j, half) takes k0 + 16q + 8j + 4 half + {0, 1, 2, 3} as its k = {2q, 2q+1, 2q+8, 2q+9}
-// (the fragment layout above). A and B are relabelled alike, so every product is a weight times its own
-// input, summed in the same order whatever NT: a token's result does not depend on its tile's size.
+// The weights go from global memory straight into registers, the k relabelled (skinny_step in
+// tensor_core.cuh): a token's sums run in the same order whatever NT, so its result does not depend on
+// its tile's size.
 // 32 bytes per thread and step (128 per row and warp) keep enough loads in flight (chapter 08's
 // exercise 6 weighs 16 against 32). Tiles of 16 rather than 8 tokens halve the weight reads of an
 // expert that gets 9 to 16 choices (most of them from batch 128 on); 32 need too many registers
@@ -517,32 +512,7 @@ moe_skinny(T* __restrict__ out, const T* __restrict__ a_src, const T* __restrict
     }
     float acc[NM][NT][4] = {};
 #pragma unroll 2
-    for (int k = 16 * q; k < K; k += 64) {
-        uint4 b[NT][2], lo[NM][2], hi[NM][2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {  // all loads of the step first, then the mmas
-#pragma unroll
-            for (int m = 0; m < NM; ++m) {
-                lo[m][j] = *reinterpret_cast<const uint4*>(w_lo[m] + k + 8 * j);
-                hi[m][j] = *reinterpret_cast<const uint4*>(w_hi[m] + k + 8 * j);
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-                b[nt][j] = xr[nt] ? *reinterpret_cast<const uint4*>(xr[nt] + k + 8 * j) : make_uint4(0u, 0u, 0u, 0u);
-        }
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int m = 0; m < NM; ++m) {
-                const unsigned a0[4] = {lo[m][j].x, hi[m][j].x, lo[m][j].y, hi[m][j].y};
-                const unsigned a1[4] = {lo[m][j].z, hi[m][j].z, lo[m][j].w, hi[m][j].w};
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    mma16816<T>(acc[m][nt], a0, b[nt][j].x, b[nt][j].y);
-                    mma16816<T>(acc[m][nt], a1, b[nt][j].z, b[nt][j].w);
-                }
-            }
-    }
+    for (int k = 16 * q; k < K; k += 64) skinny_step<T, NM, NT>(acc, w_lo, w_hi, xr, k);
     // C fragment of group nt: c = 0..3 is output column n0 + g + 8 (c >> 1) of slot tile * ROWS + 8 nt + 2q + (c & 1).
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)

@@ -66,3 +66,44 @@ template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<unsigned*>(&v);
 }
+
+// ---- skinny products: weights straight from memory into A fragments --------------------------------
+// One 64-wide k-step of out^T += W x^T for a warp's 16 weight rows (the mma's M side; NM matrices of
+// them sharing the inputs, e.g. an expert's gate and up rows) and NT groups of 8 tokens (its 8-wide N
+// side): chapter 08's skinny grouped GEMM (moe.cu) and chapter 14's dense one (linear_skinny.cu). No
+// shared memory, no barrier: thread (g, q) of the warp (g = lane / 4, q = lane % 4), called with
+// k = k0 + 16q, loads 32 contiguous bytes, k .. k + 15, of weight rows g and g + 8 of each matrix
+// (w_lo[m], w_hi[m]: the warp reads 128 contiguous bytes of each of its rows) and the same 16 k of the
+// input rows xr[nt] of tokens g of each group (nullptr: zeros). A sum over k does not depend on the
+// order of the k, so those registers serve as the fragments of four m16n8k16 mmas per group with the k
+// relabelled: mma (j, half) takes k + 8j + 4 half + {0, 1, 2, 3} as its k = {2q, 2q+1, 2q+8, 2q+9} (the
+// layout above). A and B are relabelled alike, so every product is a weight times its own input, and a
+// token's sums run in the same order whatever NT. All loads of the step are issued before the first mma.
+template <typename T, int NM, int NT>
+__device__ __forceinline__ void skinny_step(float (&acc)[NM][NT][4], const T* const (&w_lo)[NM],
+                                            const T* const (&w_hi)[NM], const T* const (&xr)[NT], int k) {
+    uint4 lo[NM][2], hi[NM][2], b[NT][2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+            lo[m][j] = *reinterpret_cast<const uint4*>(w_lo[m] + k + 8 * j);
+            hi[m][j] = *reinterpret_cast<const uint4*>(w_hi[m] + k + 8 * j);
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+            b[nt][j] = xr[nt] ? *reinterpret_cast<const uint4*>(xr[nt] + k + 8 * j) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+            const unsigned a0[4] = {lo[m][j].x, hi[m][j].x, lo[m][j].y, hi[m][j].y};
+            const unsigned a1[4] = {lo[m][j].z, hi[m][j].z, lo[m][j].w, hi[m][j].w};
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                mma16816<T>(acc[m][nt], a0, b[nt][j].x, b[nt][j].y);
+                mma16816<T>(acc[m][nt], a1, b[nt][j].z, b[nt][j].w);
+            }
+        }
+}
