@@ -101,7 +101,7 @@ def skinny_sweep(dev: torch.device) -> tuple[list[dict], int]:
             rows.append({"projection": name, "n": n, "k": k, "tokens": t, "weight_bytes": nbytes, "cublas_ms": ms[0],
                          "skinny_ms": ms[1], "cublas_fraction_of_copy": frac[0], "skinny_fraction_of_copy": frac[1],
                          "copy_GBps": copy_bw / 1e9})
-        del weights
+        weights = None  # freed before the next shape's copies
         torch.cuda.empty_cache()
     threshold = max([t for t in SKINNY_TOKENS if all(wins[s] for s in SKINNY_TOKENS if s <= t)], default=0)
     print(f"the skinny GEMM wins on every attention projection up to {threshold} tokens")
