@@ -110,6 +110,22 @@ def test_choose_sets_what_was_measured_and_keeps_the_rest():
     assert (got.attention.sdpa_min_tokens, got.attention.sdpa_min_max_len) == (1024, 1024)
     assert got.attention.kernel_variant == base.attention.kernel_variant and got.gemv_max_tokens == 2
     assert got.decode == base.decode and got.q_stream_max_tokens == 7
+    assert got.skinny_max_tokens == base.skinny_max_tokens  # not measured: kept
+
+
+def test_the_skinny_gemm_takes_the_counts_past_the_gemv_while_it_wins_everywhere():
+    def rows(*wins):  # tokens -> does the skinny GEMM win on both projections
+        return [{"tokens": t, "projections": [{"name": "q", "skinny_ms": 1.0 if w else 2.0, "cublas_ms": 1.5},
+                                              {"name": "o", "skinny_ms": 1.0, "cublas_ms": 1.5}]} for t, w in wins]
+    gemv = [{"tokens": t, "projections": [{"name": "q", "gemv_ms": 0.5, "cublas_ms": 1.0}]} for t in (1, 2, 3, 4)]
+    attention = attention_rows([(256, 1, 2)])
+
+    def skinny_max(*wins):
+        return choose([], attention, gemv, skinny_rows=rows(*wins)).skinny_max_tokens
+
+    assert skinny_max((3, False), (4, False), (8, True), (16, True), (32, False), (64, True)) == 16  # from 5 on
+    assert skinny_max((3, True), (4, True), (8, False)) == 0  # loses at the first count past the GEMV: never
+    assert skinny_max((3, True), (8, True), (16, True)) == 16
 
 
 # ---- the tuning file ------------------------------------------------------------------------------------
@@ -159,7 +175,8 @@ def test_the_shipped_defaults_are_what_calibrate_measured_on_the_h200():
     record = json.loads(path.read_text())
     assert record["gpu"] == "NVIDIA H200" and load_tuning(path) == Tuning()
     m = record["measured"]
-    assert choose(m["moe"], m["attention"], m["gemv"]) == Tuning()  # the file's tuning follows from its timings
+    # the file's tuning follows from its timings (a file from before the skinny GEMM keeps its default)
+    assert choose(m["moe"], m["attention"], m["gemv"], skinny_rows=m.get("skinny")) == Tuning()
 
 
 def test_the_engine_takes_a_loaded_tuning(tmp_path):

@@ -171,3 +171,17 @@ def test_cuda_graph_replays_the_skinny_gemm_on_new_inputs():
         static.copy_(fresh)
         graph.replay()
         assert torch.equal(out, linear_skinny(fresh, w))
+
+
+def test_linear_takes_the_skinny_gemm_past_the_gemv_up_to_its_threshold():
+    """``linear`` (and a ``Linear`` layer): the GEMV up to ``max_tokens``, the skinny GEMM up to
+    ``skinny_max_tokens``, cuBLAS beyond; a shape the skinny GEMM does not take goes to cuBLAS."""
+    x, w = inputs(8, 576, 2048, torch.bfloat16)
+    assert torch.equal(linear(x, w, max_tokens=2, skinny_max_tokens=8), linear_skinny(x, w))
+    assert torch.equal(linear(x, w, max_tokens=2, skinny_max_tokens=7), F.linear(x, w))
+    assert torch.equal(linear(x[:2], w, max_tokens=2, skinny_max_tokens=8), linear(x[:2], w, max_tokens=2))
+    odd = w[:568].contiguous()  # N not a multiple of 16
+    assert torch.equal(linear(x, odd, max_tokens=2, skinny_max_tokens=8), F.linear(x, odd))
+    layer = Linear(2048, 576, 2, 16).to(device="cuda", dtype=torch.bfloat16)
+    layer.weight.data.copy_(w)
+    assert torch.equal(layer(x), linear_skinny(x, w))

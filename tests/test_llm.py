@@ -547,7 +547,7 @@ def test_a_context_longer_than_the_trained_one_warns():
 
 def test_tuning_reaches_every_layer_that_switches_kernels():
     tuning = Tuning(moe=MoETuning(gemv_max_tokens=1), attention=AttentionTuning(sdpa_min_tokens=7),
-                    decode=DecodeTuning(min_tiles=3), gemv_max_tokens=1)
+                    decode=DecodeTuning(min_tiles=3), gemv_max_tokens=1, skinny_max_tokens=24)
     llm = LLM("tiny", device="cpu", tuning=tuning)
     assert llm.engine_config.tuning is tuning
     moe = [m for m in llm.model.modules() if isinstance(m, MoE)]
@@ -555,7 +555,7 @@ def test_tuning_reaches_every_layer_that_switches_kernels():
     linear = [m for m in llm.model.modules() if isinstance(m, Linear)]
     assert moe and all(m.tuning is tuning.moe for m in moe)
     assert len(mla) == TINY.num_hidden_layers and all(m.tuning is tuning for m in mla)
-    assert linear and all(m.gemv_max_tokens == 1 for m in linear)  # the LM head and the shared experts' too
+    assert linear and all((m.gemv_max_tokens, m.skinny_max_tokens) == (1, 24) for m in linear)  # the LM head's too
 
 
 @pytest.mark.parametrize("kw, want", [
@@ -563,6 +563,7 @@ def test_tuning_reaches_every_layer_that_switches_kernels():
     (dict(decode=AttentionTuning()), "Tuning.decode must be a DecodeTuning, got AttentionTuning"),
     (dict(gemv_max_tokens=-1), "Tuning.gemv_max_tokens must be an int >= 0 (0: never), got -1"),
     (dict(gemv_max_tokens=True), "Tuning.gemv_max_tokens must be an int >= 0"),
+    (dict(skinny_max_tokens=2.5), "Tuning.skinny_max_tokens must be an int >= 0 (0: never), got 2.5"),
 ])
 def test_a_bad_tuning_is_refused_by_field(kw, want):
     with pytest.raises(ValueError, match=re.escape(want)):

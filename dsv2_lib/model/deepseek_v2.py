@@ -32,8 +32,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLA(cfg, tuning)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = (MoE(cfg, tuning.moe, tuning.gemv_max_tokens) if cfg.is_moe_layer(index)
-                    else MLP(cfg.hidden_size, cfg.intermediate_size, tuning.gemv_max_tokens))
+        g, s = tuning.gemv_max_tokens, tuning.skinny_max_tokens
+        self.mlp = (MoE(cfg, tuning.moe, g, s) if cfg.is_moe_layer(index)
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, g, s))
 
     def forward(self, out, residual, positions, rope_cache, batch: SequenceBatch | PagedBatch, cache: torch.Tensor):
         """``out [T, H]`` (previous block's output), ``residual [T, H]`` (None before layer 0)."""
@@ -64,7 +65,7 @@ class DeepseekV2(nn.Module):
         self.cfg = cfg
         self.model = Backbone(cfg, tuning)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, tuning.gemv_max_tokens)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, tuning.gemv_max_tokens, tuning.skinny_max_tokens)
         self._rope_cache: torch.Tensor | None = None  # [P, rope_dim] fp32, built by the first forward
 
     @property

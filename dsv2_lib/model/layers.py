@@ -8,20 +8,22 @@ from torch import nn
 
 from dsv2_lib.core.dtypes import empty_param
 from dsv2_lib.ops.embedding import embedding
-from dsv2_lib.ops.gemv import GEMV_MAX_TOKENS, linear
+from dsv2_lib.ops.gemv import GEMV_MAX_TOKENS, SKINNY_MAX_TOKENS, linear
 
 
 class Linear(nn.Module):
-    """``y = x @ weight.T`` with ``weight [out, in]`` (HF layout, no bias: DeepSeek-V2 has none): a GEMV
-    kernel for up to ``gemv_max_tokens`` tokens on a GPU (:func:`~dsv2_lib.ops.gemv.linear`), else ``F.linear``."""
+    """``y = x @ weight.T`` with ``weight [out, in]`` (HF layout, no bias: DeepSeek-V2 has none): on a GPU a
+    GEMV kernel for up to ``gemv_max_tokens`` tokens, the skinny GEMM for up to ``skinny_max_tokens``
+    (:func:`~dsv2_lib.ops.gemv.linear`), else ``F.linear``."""
 
-    def __init__(self, in_features: int, out_features: int, gemv_max_tokens: int = GEMV_MAX_TOKENS):
+    def __init__(self, in_features: int, out_features: int, gemv_max_tokens: int = GEMV_MAX_TOKENS,
+                 skinny_max_tokens: int = SKINNY_MAX_TOKENS):
         super().__init__()
         self.weight = empty_param(out_features, in_features)
-        self.gemv_max_tokens = gemv_max_tokens
+        self.gemv_max_tokens, self.skinny_max_tokens = gemv_max_tokens, skinny_max_tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.gemv_max_tokens)
+        return linear(x, self.weight, self.gemv_max_tokens, self.skinny_max_tokens)
 
 
 class Embedding(nn.Module):

@@ -68,17 +68,17 @@ class MLA(nn.Module):
     def __init__(self, cfg: ModelConfig, tuning: Tuning = Tuning()):
         super().__init__()
         self.cfg, self.tuning = cfg, tuning
-        h, qk, g = cfg.num_attention_heads, cfg.qk_head_dim, tuning.gemv_max_tokens
+        h, qk, g, s = cfg.num_attention_heads, cfg.qk_head_dim, tuning.gemv_max_tokens, tuning.skinny_max_tokens
         if cfg.q_lora_rank is None:
-            self.q_proj = Linear(cfg.hidden_size, h * qk, g)
+            self.q_proj = Linear(cfg.hidden_size, h * qk, g, s)
         else:
-            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, g)
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, g, s)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
-            self.q_b_proj = Linear(cfg.q_lora_rank, h * qk, g)
-        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.cache_row_dim, g)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * qk, g, s)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.cache_row_dim, g, s)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), g)
-        self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, g)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), g, s)
+        self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, g, s)
 
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H] -> q [T, h, qk_head_dim]``."""

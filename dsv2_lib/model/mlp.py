@@ -13,20 +13,22 @@ from torch import nn
 
 from dsv2_lib.model.layers import Linear
 from dsv2_lib.ops.activation import silu_and_mul
-from dsv2_lib.ops.gemv import GEMV_MAX_TOKENS
+from dsv2_lib.ops.gemv import GEMV_MAX_TOKENS, SKINNY_MAX_TOKENS
 
 
 class MLP(nn.Module):
     """SwiGLU MLP ``hidden -> intermediate -> hidden``: layer 0 of V2-Lite (10944) and the shared experts.
 
     ``gate_up_proj.weight [2I, H]`` (gate rows, then up rows), ``down_proj.weight [H, I]``;
-    ``gemv_max_tokens``: the projections' GEMV threshold (:class:`~dsv2_lib.model.layers.Linear`).
+    ``gemv_max_tokens``, ``skinny_max_tokens``: the projections' kernel thresholds
+    (:class:`~dsv2_lib.model.layers.Linear`).
     """
 
-    def __init__(self, hidden: int, intermediate: int, gemv_max_tokens: int = GEMV_MAX_TOKENS):
+    def __init__(self, hidden: int, intermediate: int, gemv_max_tokens: int = GEMV_MAX_TOKENS,
+                 skinny_max_tokens: int = SKINNY_MAX_TOKENS):
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, gemv_max_tokens)
-        self.down_proj = Linear(intermediate, hidden, gemv_max_tokens)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, gemv_max_tokens, skinny_max_tokens)
+        self.down_proj = Linear(intermediate, hidden, gemv_max_tokens, skinny_max_tokens)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden] -> [T, hidden]``: one GEMM to ``[T, 2I]``, the activation to ``[T, I]``, one GEMM back."""

@@ -16,7 +16,7 @@ from dsv2_lib.core import kernels, streams
 from dsv2_lib.core.config import ModelConfig
 from dsv2_lib.core.dtypes import empty_param, upcast
 from dsv2_lib.model.mlp import MLP
-from dsv2_lib.ops.gemv import GEMV_MAX_TOKENS
+from dsv2_lib.ops.gemv import GEMV_MAX_TOKENS, SKINNY_MAX_TOKENS
 from dsv2_lib.ops.moe_experts import MoETuning, few_applies, moe_experts, moe_few
 from dsv2_lib.ops.moe_routing import topk_softmax
 
@@ -44,12 +44,14 @@ class MoE(nn.Module):
     token counts at which it changes kernels (the H200's by default); ``gemv_max_tokens``: the shared
     experts' projections' GEMV threshold."""
 
-    def __init__(self, cfg: ModelConfig, tuning: MoETuning = MoETuning(), gemv_max_tokens: int = GEMV_MAX_TOKENS):
+    def __init__(self, cfg: ModelConfig, tuning: MoETuning = MoETuning(), gemv_max_tokens: int = GEMV_MAX_TOKENS,
+                 skinny_max_tokens: int = SKINNY_MAX_TOKENS):
         super().__init__()
         self.cfg, self.tuning = cfg, tuning
         self.gate = Router(cfg.n_routed_experts, cfg.hidden_size)
         self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, gemv_max_tokens)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, gemv_max_tokens,
+                                   skinny_max_tokens)
                                if cfg.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from dsv2_lib.core import kernels
 from dsv2_lib.core.kernels import CUDA_TYPE
 
 GEMV_MAX_TOKENS = 2  # tokens (rows of x) up to which the engine runs the GEMV; cuBLAS beyond (benchmarks/bench_gemv.py)
+SKINNY_MAX_TOKENS = 0  # ... and beyond those, up to which it runs linear_skinny (benchmarks/bench_gemv.py); 0: never
 TOKENS_COMPILED = 4  # the kernel is compiled for 1..4 rows, so that the benchmark can time it past the threshold
 WARPS = 4  # warps per block, two output columns each (gemv.cu's gemv::WARPS)
 SKINNY_WARPS = 8  # warps per block of linear_skinny, splitting K between them
@@ -33,11 +34,15 @@ SKINNY_CU = kernels.declare("linear_skinny.cu", [f"linear_skinny<{t}, {g}>" for 
                                                  for g in SKINNY_GROUPS], {"DSV2_GEMV_SKINNY_WARPS": SKINNY_WARPS})
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, max_tokens: int = GEMV_MAX_TOKENS) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, max_tokens: int = GEMV_MAX_TOKENS,
+           skinny_max_tokens: int = SKINNY_MAX_TOKENS) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) for ``x [..., K]`` and ``weight [N, K]``: the GEMV kernel when
     :func:`gemv_applies` (``x`` of at most ``max_tokens`` rows, at most :data:`TOKENS_COMPILED`), else
+    :func:`linear_skinny` for at most ``skinny_max_tokens`` rows that :func:`skinny_applies`, else
     ``F.linear`` (cuBLAS on a GPU)."""
     if not gemv_applies(x, weight, max_tokens):
+        if x.numel() <= skinny_max_tokens * x.shape[-1] and skinny_applies(x, weight):
+            return linear_skinny(x, weight)
         return F.linear(x, weight)
     K, N = x.shape[-1], weight.shape[0]
     rows = x.reshape(-1, K)  # a view: gemv_applies checked that the rows are strided views of x

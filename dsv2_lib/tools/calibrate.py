@@ -9,7 +9,8 @@ and picks each threshold where one path stops winning:
 * prefill attention, our kernel against SDPA, one sequence of 256 ... 8,192 tokens: SDPA from the
   first length where it wins there and at every longer one (:func:`sdpa_from`);
 * the dense projections at 1 ... 4 tokens, the GEMV kernel against cuBLAS: the GEMV up to the last
-  count of the leading run where it wins on every attention projection (:func:`leading_run`).
+  count of the leading run where it wins on every attention projection (:func:`leading_run`); and at
+  3 ... 64 tokens the skinny GEMM against cuBLAS, by the same rule over the counts past the GEMV's.
 
 What it does not measure keeps the default: the prefill kernel's variants, the decode kernel's
 schedule, the side streams. The result is a JSON file (:func:`save_tuning`) that ``--tuning FILE``
@@ -39,6 +40,7 @@ MOE_FORCE = {"gemv": MoETuning(gemv_max_tokens=NEVER, skinny_max_tokens=0, group
              "grouped_mm": MoETuning(gemv_max_tokens=0, skinny_max_tokens=0, grouped_mm_min_tokens=1)}
 MOE_PATH_MAX_TOKENS = {"gemv": 64, "skinny": 256}  # the GEMV paths are timed up to here: beyond, far slower
 ATTENTION_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
+SKINNY_TOKENS = (3, 4, 8, 16, 32, 64)  # token counts at which the skinny GEMM is timed against cuBLAS
 PROJECTIONS = {"q_proj": (3072, 2048), "kv_a_proj": (576, 2048), "o_proj": (2048, 2048)}  # V2-Lite's attention
 
 
@@ -87,13 +89,17 @@ def sdpa_from(rows: list[dict]) -> int:
 
 
 def choose(moe_sweep: list[dict], attention_rows: list[dict], gemv_rows: list[dict],
-           base: Tuning = Tuning()) -> Tuning:
-    """``base`` with the thresholds the three measurements set (see the module docstring)."""
+           base: Tuning = Tuning(), skinny_rows: list[dict] | None = None) -> Tuning:
+    """``base`` with the thresholds the measurements set (see the module docstring); without
+    ``skinny_rows`` the skinny GEMM's threshold stays ``base``'s."""
     t = sdpa_from(attention_rows)
     attention = dataclasses.replace(base.attention, sdpa_min_tokens=t, sdpa_min_max_len=t)
     gemv_max = leading_run(gemv_rows, lambda r: all(p["gemv_ms"] < p["cublas_ms"] for p in r["projections"]))
+    skinny_max = base.skinny_max_tokens if skinny_rows is None else leading_run(
+        [r for r in skinny_rows if r["tokens"] > gemv_max],
+        lambda r: all(p["skinny_ms"] < p["cublas_ms"] for p in r["projections"]))
     return dataclasses.replace(base, moe=recommend_moe(moe_sweep, base=base.moe), attention=attention,
-                               gemv_max_tokens=gemv_max)
+                               gemv_max_tokens=gemv_max, skinny_max_tokens=skinny_max)
 
 
 # ---- the file ---------------------------------------------------------------------------------------------
@@ -243,6 +249,24 @@ def measure_gemv(device: torch.device) -> list[dict]:
     return rows
 
 
+def measure_skinny(device: torch.device) -> list[dict]:
+    """The attention projections at :data:`SKINNY_TOKENS` tokens: the skinny GEMM against cuBLAS, rows
+    ``{"tokens", "projections": [{"name", "skinny_ms", "cublas_ms"}]}``."""
+    from dsv2_lib.ops.gemv import linear_skinny
+
+    rows = [{"tokens": t, "projections": []} for t in SKINNY_TOKENS]
+    for name, (n, k) in PROJECTIONS.items():
+        weights = rotated(lambda: (torch.randn(n, k, device=device) * k**-0.5).to(torch.bfloat16), n * k * 2)
+        for row in rows:
+            x = torch.randn(row["tokens"], k, device=device).to(torch.bfloat16)
+            row["projections"].append({
+                "name": name,
+                "skinny_ms": _time_rotating(lambda j: linear_skinny(x, weights[j]), len(weights)),
+                "cublas_ms": _time_rotating(lambda j: torch.nn.functional.linear(x, weights[j]), len(weights)),
+            })
+    return rows
+
+
 def calibrate(device: str | torch.device = "cuda") -> tuple[Tuning, dict]:
     """Measure on ``device`` (a CUDA GPU with the kernels on) and choose: ``(tuning, measured)``."""
     from dsv2_lib.core import kernels
@@ -251,5 +275,6 @@ def calibrate(device: str | torch.device = "cuda") -> tuple[Tuning, dict]:
     if device.type != "cuda" or not torch.cuda.is_available() or not kernels.cupy_works():
         raise RuntimeError("calibrate times the engine's CUDA kernels: it needs a CUDA GPU with CuPy working")
     with torch.no_grad():
-        measured = {"moe": measure_moe(device), "attention": measure_attention(device), "gemv": measure_gemv(device)}
-    return choose(measured["moe"], measured["attention"], measured["gemv"]), measured
+        measured = {"moe": measure_moe(device), "attention": measure_attention(device), "gemv": measure_gemv(device),
+                    "skinny": measure_skinny(device)}
+    return choose(measured["moe"], measured["attention"], measured["gemv"], skinny_rows=measured["skinny"]), measured
