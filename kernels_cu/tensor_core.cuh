@@ -70,7 +70,7 @@ template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi
 // ---- skinny products: weights straight from memory into A fragments --------------------------------
 // One 64-wide k-step of out^T += W x^T for a warp's 16 weight rows (the mma's M side; NM matrices of
 // them sharing the inputs, e.g. an expert's gate and up rows) and NT groups of 8 tokens (its 8-wide N
-// side): chapter 08's skinny grouped GEMM (moe.cu) and chapter 14's dense one (linear_skinny.cu). No
+// side): chapter 08's skinny grouped GEMM (moe.cu) and the dense projections' (linear_skinny.cu). No
 // shared memory, no barrier: thread (g, q) of the warp (g = lane / 4, q = lane % 4), called with
 // k = k0 + 16q, loads 32 contiguous bytes, k .. k + 15, of weight rows g and g + 8 of each matrix
 // (w_lo[m], w_hi[m]: the warp reads 128 contiguous bytes of each of its rows) and the same 16 k of the

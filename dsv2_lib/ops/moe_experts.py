@@ -8,8 +8,8 @@ four regimes that :func:`choose_path` picks from the token count T and the thres
 * ``"gemv"``, a few tokens (every fp32 input): GEMV kernels that stream the selected experts' weights
   over the whole GPU, the down launch also doing the combine;
 * ``"skinny"``, tens of tokens (16-bit, H and I multiples of 64): the skinny grouped GEMM, each selected
-  expert's weights read once per tile of 8 of its tokens, the tokens as the mma's narrow side;
-* ``"grouped_mm"``, beyond (bf16): ``torch._grouped_mm`` (cuBLAS) on the aligned rows;
+  expert's weights read once per tile of 16 of its tokens, the tokens as the mma's narrow side;
+* ``"grouped_mm"``, beyond (bf16): ``torch._grouped_mm`` (CUTLASS kernels) on the aligned rows;
 * ``"mma"``, otherwise (fp16 beyond the skinny range): our grouped tensor-core GEMM (``mma.sync``, 64-row tiles);
 
 then the combine: the weighted sum back to token order, in a fixed order (deterministic), plus the
