@@ -41,8 +41,8 @@ class Router(nn.Module):
 
 class MoE(nn.Module):
     """A DeepSeekMoE layer: routed experts (top-k of E) plus always-on shared experts. ``tuning``: the
-    token counts at which it changes kernels (the H200's by default); ``gemv_max_tokens``: the shared
-    experts' projections' GEMV threshold."""
+    token counts at which it changes kernels (the H200's by default); ``gemv_max_tokens``,
+    ``skinny_max_tokens``: the shared experts' projections' kernel thresholds (:class:`~dsv2_lib.model.layers.Linear`)."""
 
     def __init__(self, cfg: ModelConfig, tuning: MoETuning = MoETuning(), gemv_max_tokens: int = GEMV_MAX_TOKENS,
                  skinny_max_tokens: int = SKINNY_MAX_TOKENS):

@@ -75,9 +75,9 @@ def linear_skinny(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     groups = next((g for g in SKINNY_GROUPS if 8 * g >= T), SKINNY_GROUPS[-1])
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     SKINNY_CU.launch(f"linear_skinny<{CUDA_TYPE[x.dtype]}, {groups}>", x.device, (N // 16, -(-T // (8 * groups))),
-                   (32 * SKINNY_WARPS,), y=kernels.ptr(out), x=kernels.ptr(rows), w=kernels.ptr(weight),
-                   tokens=np.int32(T), N=np.int32(N), K=np.int32(K), x_stride=np.int64(rows.stride(0)),
-                   y_stride=np.int64(out.stride(0)))
+                     (32 * SKINNY_WARPS,), y=kernels.ptr(out), x=kernels.ptr(rows), w=kernels.ptr(weight),
+                     tokens=np.int32(T), N=np.int32(N), K=np.int32(K), x_stride=np.int64(rows.stride(0)),
+                     y_stride=np.int64(out.stride(0)))
     return out.view(*x.shape[:-1], N)
 
 
