@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from bench_mla_decode import copy_bandwidth, kernel_device, save
 
-from dsv2_lib.ops.gemv import GEMV_MAX_TOKENS, TOKENS_COMPILED, linear, linear_skinny
+from dsv2_lib.ops.gemv import GEMV_MAX_TOKENS, SKINNY_MAX_TOKENS, TOKENS_COMPILED, linear, linear_skinny
 from dsv2_lib.tools import benchmark
 
 SHAPES = {"q_proj": (3072, 2048), "kv_a_proj": (576, 2048), "o_proj": (2048, 2048),
@@ -34,55 +34,32 @@ def main() -> int:
     dev = kernel_device()
     if dev is None:
         return 0
-    t0, results = time.time(), []
-    print(f"{'projection':>12} {'MB':>6} {'T':>2} | {'cuBLAS µs':>9} {'% copy':>6} | {'GEMV µs':>8} {'% copy':>6} | speed-up")
-    wins = {t: True for t in range(1, TOKENS_COMPILED + 1)}
-    for name, (n, k) in SHAPES.items():
-        nbytes = n * k * 2
-        weights = benchmark.rotated(lambda: (torch.randn(n, k, device=dev) / k**0.5).to(torch.bfloat16), nbytes)
-        _, copy_bw = copy_bandwidth(weights, nbytes)
-        for t in range(1, TOKENS_COMPILED + 1):
-            x = torch.randn(t, k, device=dev).to(torch.bfloat16)
-            state = {"i": 0}
-
-            def call(fn):
-                w = weights[state["i"] % len(weights)]
-                state["i"] += 1
-                fn(x, w)
-
-            ms_blas = benchmark.time_cuda_graph(lambda: call(F.linear), calls=max(20, len(weights)))
-            ms_gemv = benchmark.time_cuda_graph(lambda: call(lambda a, b: linear(a, b, max_tokens=t)),
-                                                calls=max(20, len(weights)))
-            frac = [nbytes / (ms * 1e-3) / copy_bw for ms in (ms_blas, ms_gemv)]
-            print(f"{name:>12} {nbytes / 1e6:>6.1f} {t:>2} | {ms_blas * 1e3:>9.1f} {100 * frac[0]:>5.0f}% |"
-                  f" {ms_gemv * 1e3:>8.1f} {100 * frac[1]:>5.0f}% | {ms_blas / ms_gemv:>6.2f}x")
-            if name in ATTENTION:
-                wins[t] &= ms_gemv < ms_blas
-            results.append({"projection": name, "n": n, "k": k, "tokens": t, "weight_bytes": nbytes,
-                            "cublas_ms": ms_blas, "gemv_ms": ms_gemv, "cublas_fraction_of_copy": frac[0],
-                            "gemv_fraction_of_copy": frac[1], "copy_GBps": copy_bw / 1e9})
-        del weights
-        torch.cuda.empty_cache()
-    threshold = max([t for t in wins if all(wins[s] for s in range(1, t + 1))], default=0)
+    t0 = time.time()
+    results, threshold = sweep(dev, SHAPES, range(1, TOKENS_COMPILED + 1), "gemv",
+                               lambda x, w: linear(x, w, max_tokens=x.shape[0]))
     print(f"the GEMV wins on every attention projection up to {threshold} token(s); "
           f"gemv.GEMV_MAX_TOKENS = {GEMV_MAX_TOKENS}{'' if threshold == GEMV_MAX_TOKENS else '  <- update it'}")
-    skinny, skinny_threshold = skinny_sweep(dev)
+    skinny, skinny_threshold = sweep(dev, SKINNY_SHAPES, SKINNY_TOKENS, "skinny", linear_skinny)
+    print(f"the skinny GEMM wins on every attention projection up to {skinny_threshold} tokens; "
+          f"gemv.SKINNY_MAX_TOKENS = {SKINNY_MAX_TOKENS}")
     save("bench_gemv.json", "dense GEMV vs cuBLAS, bf16, V2-Lite's projections", "faster than cuBLAS up to "
          "GEMV_MAX_TOKENS tokens on every attention projection", results, t0, measured_threshold=threshold,
          skinny=skinny, skinny_measured_threshold=skinny_threshold)
     return 0
 
 
-def skinny_sweep(dev: torch.device) -> tuple[list[dict], int]:
-    """cuBLAS against the skinny GEMM at SKINNY_TOKENS on SKINNY_SHAPES (weights rotated past L2): the
-    records, and the largest token count up to which the skinny GEMM wins on every attention projection."""
-    rows, wins = [], {t: True for t in SKINNY_TOKENS}
-    print(f"\n{'projection':>14} {'MB':>6} {'T':>2} | {'cuBLAS µs':>9} {'% copy':>6} | {'skinny µs':>9} {'% copy':>6}")
-    for name, (n, k) in SKINNY_SHAPES.items():
+def sweep(dev: torch.device, shapes: dict, tokens, name: str, ours) -> tuple[list[dict], int]:
+    """cuBLAS against ``ours(x, w)`` on each of ``shapes`` (weights rotated past L2) at each of ``tokens``:
+    the records (``cublas_ms``, ``<name>_ms`` and their fractions of a copy of the same bytes), and the
+    largest token count up to which ours wins on every attention projection at every count measured."""
+    rows, wins = [], {t: True for t in tokens}
+    print(f"\n{'projection':>14} {'MB':>6} {'T':>2} | {'cuBLAS µs':>9} {'% copy':>6} | {name + ' µs':>9} {'% copy':>6}"
+          " | speed-up")
+    for proj, (n, k) in shapes.items():
         nbytes = n * k * 2
         weights = benchmark.rotated(lambda: (torch.randn(n, k, device=dev) / k**0.5).to(torch.bfloat16), nbytes)
         _, copy_bw = copy_bandwidth(weights, nbytes)
-        for t in SKINNY_TOKENS:
+        for t in tokens:
             x = torch.randn(t, k, device=dev).to(torch.bfloat16)
             state = {"i": 0}
 
@@ -91,20 +68,18 @@ def skinny_sweep(dev: torch.device) -> tuple[list[dict], int]:
                 state["i"] += 1
                 fn(x, w)
 
-            ms = [benchmark.time_cuda_graph(lambda: call(fn), calls=max(20, len(weights)))
-                  for fn in (F.linear, linear_skinny)]
+            ms = [benchmark.time_cuda_graph(lambda: call(fn), calls=max(20, len(weights))) for fn in (F.linear, ours)]
             frac = [nbytes / (m * 1e-3) / copy_bw for m in ms]
-            print(f"{name:>14} {nbytes / 1e6:>6.1f} {t:>2} | {ms[0] * 1e3:>9.1f} {100 * frac[0]:>5.0f}% |"
-                  f" {ms[1] * 1e3:>9.1f} {100 * frac[1]:>5.0f}%")
-            if name in ATTENTION:
+            print(f"{proj:>14} {nbytes / 1e6:>6.1f} {t:>2} | {ms[0] * 1e3:>9.1f} {100 * frac[0]:>5.0f}% |"
+                  f" {ms[1] * 1e3:>9.1f} {100 * frac[1]:>5.0f}% | {ms[0] / ms[1]:>6.2f}x")
+            if proj in ATTENTION:
                 wins[t] &= ms[1] < ms[0]
-            rows.append({"projection": name, "n": n, "k": k, "tokens": t, "weight_bytes": nbytes, "cublas_ms": ms[0],
-                         "skinny_ms": ms[1], "cublas_fraction_of_copy": frac[0], "skinny_fraction_of_copy": frac[1],
+            rows.append({"projection": proj, "n": n, "k": k, "tokens": t, "weight_bytes": nbytes, "cublas_ms": ms[0],
+                         f"{name}_ms": ms[1], "cublas_fraction_of_copy": frac[0], f"{name}_fraction_of_copy": frac[1],
                          "copy_GBps": copy_bw / 1e9})
         weights = None  # freed before the next shape's copies
         torch.cuda.empty_cache()
-    threshold = max([t for t in SKINNY_TOKENS if all(wins[s] for s in SKINNY_TOKENS if s <= t)], default=0)
-    print(f"the skinny GEMM wins on every attention projection up to {threshold} tokens")
+    threshold = max([t for t in tokens if all(wins[s] for s in tokens if s <= t)], default=0)
     return rows, threshold
 
 

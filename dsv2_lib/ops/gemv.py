@@ -39,18 +39,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, max_tokens: int = GEMV_MAX_TOK
     """``F.linear(x, weight)`` (no bias) for ``x [..., K]`` and ``weight [N, K]``: the GEMV kernel when
     :func:`gemv_applies` (``x`` of at most ``max_tokens`` rows, at most :data:`TOKENS_COMPILED`), else
     :func:`linear_skinny` for at most ``skinny_max_tokens`` rows that :func:`skinny_applies`, else
-    ``F.linear`` (cuBLAS on a GPU)."""
-    if not gemv_applies(x, weight, max_tokens):
-        if x.numel() <= skinny_max_tokens * x.shape[-1] and skinny_applies(x, weight):
-            return linear_skinny(x, weight)
-        return F.linear(x, weight)
-    K, N = x.shape[-1], weight.shape[0]
-    rows = x.reshape(-1, K)  # a view: gemv_applies checked that the rows are strided views of x
-    out = torch.empty(rows.shape[0], N, dtype=x.dtype, device=x.device)
-    GEMV_CU.launch(f"linear_gemv<{CUDA_TYPE[x.dtype]}, {rows.shape[0]}>", x.device, (-(-N // (2 * WARPS)),),
-                   (32 * WARPS,), y=kernels.ptr(out), x=kernels.ptr(rows), w=kernels.ptr(weight), N=np.int32(N),
-                   K=np.int32(K), x_stride=np.int64(rows.stride(0)), y_stride=np.int64(out.stride(0)))
-    return out.view(*x.shape[:-1], N)
+    ``F.linear`` (cuBLAS on a GPU). The rows are checked once, here."""
+    rows = _kernel_rows(x, weight)
+    if rows is not None and _gemv_takes(rows, max_tokens):
+        return _launch_gemv(rows, weight).view(*x.shape[:-1], weight.shape[0])
+    if rows is not None and rows.shape[0] <= skinny_max_tokens and _skinny_takes(rows, weight):
+        return _launch_skinny(rows, weight).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight)
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, max_tokens: int = GEMV_MAX_TOKENS) -> bool:
@@ -58,34 +53,56 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, max_tokens: int = GEMV_M
     that :func:`_kernel_rows` accepts, and K a multiple of 8 values. Anything else is ``F.linear``'s: the
     kernel never sees a shape it was not written for."""
     rows = _kernel_rows(x, weight)
-    return rows is not None and rows.shape[0] <= min(max_tokens, TOKENS_COMPILED) and rows.shape[1] % 8 == 0
+    return rows is not None and _gemv_takes(rows, max_tokens)
 
 
 def linear_skinny(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) for ``x [..., K]`` and ``weight [N, K]`` on the tensor cores
     (``kernels_cu/linear_skinny.cu``, :func:`skinny_applies` inputs): blocks of 16 weight rows and up to 32
     tokens (the fewest groups of 8 of :data:`SKINNY_GROUPS` that hold T, more blocks beyond 32)."""
-    if not skinny_applies(x, weight):
+    rows = _kernel_rows(x, weight)
+    if rows is None or not _skinny_takes(rows, weight):
         raise ValueError(f"linear_skinny: takes 16-bit CUDA rows x [T, K] and weight [N, K] of x's dtype with "
                          f"K % 64 == 0 and N % 16 == 0, 16-byte aligned; got x {tuple(x.shape)} {x.dtype}, "
                          f"weight {tuple(weight.shape)} {weight.dtype}")
-    K, N = x.shape[-1], weight.shape[0]
-    rows = x.reshape(-1, K)  # a view: skinny_applies checked that the rows are strided views of x
-    T = rows.shape[0]
-    groups = next((g for g in SKINNY_GROUPS if 8 * g >= T), SKINNY_GROUPS[-1])
-    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    SKINNY_CU.launch(f"linear_skinny<{CUDA_TYPE[x.dtype]}, {groups}>", x.device, (N // 16, -(-T // (8 * groups))),
-                     (32 * SKINNY_WARPS,), y=kernels.ptr(out), x=kernels.ptr(rows), w=kernels.ptr(weight),
-                     tokens=np.int32(T), N=np.int32(N), K=np.int32(K), x_stride=np.int64(rows.stride(0)),
-                     y_stride=np.int64(out.stride(0)))
-    return out.view(*x.shape[:-1], N)
+    return _launch_skinny(rows, weight).view(*x.shape[:-1], weight.shape[0])
 
 
 def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """:func:`linear_skinny` can take this call: rows that :func:`_kernel_rows` accepts, K a multiple of 64
     (a warp's k-step) and N of 16 (a block's rows)."""
     rows = _kernel_rows(x, weight)
-    return rows is not None and rows.shape[1] % 64 == 0 and weight.shape[0] % 16 == 0
+    return rows is not None and _skinny_takes(rows, weight)
+
+
+def _gemv_takes(rows: torch.Tensor, max_tokens: int) -> bool:
+    return rows.shape[0] <= min(max_tokens, TOKENS_COMPILED) and rows.shape[1] % 8 == 0
+
+
+def _skinny_takes(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    return rows.shape[1] % 64 == 0 and weight.shape[0] % 16 == 0
+
+
+def _launch_gemv(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``linear_gemv`` on checked rows ``[T, K]``: ``[T, N]``."""
+    (T, K), N = rows.shape, weight.shape[0]
+    out = torch.empty(T, N, dtype=rows.dtype, device=rows.device)
+    GEMV_CU.launch(f"linear_gemv<{CUDA_TYPE[rows.dtype]}, {T}>", rows.device, (-(-N // (2 * WARPS)),),
+                   (32 * WARPS,), y=kernels.ptr(out), x=kernels.ptr(rows), w=kernels.ptr(weight), N=np.int32(N),
+                   K=np.int32(K), x_stride=np.int64(rows.stride(0)), y_stride=np.int64(out.stride(0)))
+    return out
+
+
+def _launch_skinny(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``linear_skinny`` on checked rows ``[T, K]``: ``[T, N]``."""
+    (T, K), N = rows.shape, weight.shape[0]
+    groups = next((g for g in SKINNY_GROUPS if 8 * g >= T), SKINNY_GROUPS[-1])
+    out = torch.empty(T, N, dtype=rows.dtype, device=rows.device)
+    SKINNY_CU.launch(f"linear_skinny<{CUDA_TYPE[rows.dtype]}, {groups}>", rows.device,
+                     (N // 16, -(-T // (8 * groups))), (32 * SKINNY_WARPS,), y=kernels.ptr(out), x=kernels.ptr(rows),
+                     w=kernels.ptr(weight), tokens=np.int32(T), N=np.int32(N), K=np.int32(K),
+                     x_stride=np.int64(rows.stride(0)), y_stride=np.int64(out.stride(0)))
+    return out
 
 
 def _kernel_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:

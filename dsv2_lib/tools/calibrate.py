@@ -235,18 +235,8 @@ def measure_gemv(device: torch.device) -> list[dict]:
     rows ``{"tokens", "projections": [{"name", "gemv_ms", "cublas_ms"}]}``."""
     from dsv2_lib.ops.gemv import TOKENS_COMPILED, linear
 
-    rows = [{"tokens": t, "projections": []} for t in range(1, TOKENS_COMPILED + 1)]
-    for name, (n, k) in PROJECTIONS.items():
-        weights = rotated(lambda: (torch.randn(n, k, device=device) * k**-0.5).to(torch.bfloat16), n * k * 2)
-        for row in rows:
-            x = torch.randn(row["tokens"], k, device=device).to(torch.bfloat16)
-            t = row["tokens"]
-            row["projections"].append({
-                "name": name,
-                "gemv_ms": _time_rotating(lambda j: linear(x, weights[j], max_tokens=t), len(weights)),
-                "cublas_ms": _time_rotating(lambda j: torch.nn.functional.linear(x, weights[j]), len(weights)),
-            })
-    return rows
+    return _against_cublas(device, range(1, TOKENS_COMPILED + 1), "gemv",
+                           lambda x, w: linear(x, w, max_tokens=x.shape[0]))
 
 
 def measure_skinny(device: torch.device) -> list[dict]:
@@ -254,14 +244,20 @@ def measure_skinny(device: torch.device) -> list[dict]:
     ``{"tokens", "projections": [{"name", "skinny_ms", "cublas_ms"}]}``."""
     from dsv2_lib.ops.gemv import linear_skinny
 
-    rows = [{"tokens": t, "projections": []} for t in SKINNY_TOKENS]
-    for name, (n, k) in PROJECTIONS.items():
+    return _against_cublas(device, SKINNY_TOKENS, "skinny", linear_skinny)
+
+
+def _against_cublas(device: torch.device, tokens, name: str, ours) -> list[dict]:
+    """``ours(x, w)`` and cuBLAS on each of :data:`PROJECTIONS` (bf16 weights rotated past L2) at each of
+    ``tokens``: rows ``{"tokens", "projections": [{"name", "<name>_ms", "cublas_ms"}]}``."""
+    rows = [{"tokens": t, "projections": []} for t in tokens]
+    for proj, (n, k) in PROJECTIONS.items():
         weights = rotated(lambda: (torch.randn(n, k, device=device) * k**-0.5).to(torch.bfloat16), n * k * 2)
         for row in rows:
             x = torch.randn(row["tokens"], k, device=device).to(torch.bfloat16)
             row["projections"].append({
-                "name": name,
-                "skinny_ms": _time_rotating(lambda j: linear_skinny(x, weights[j]), len(weights)),
+                "name": proj,
+                f"{name}_ms": _time_rotating(lambda j: ours(x, weights[j]), len(weights)),
                 "cublas_ms": _time_rotating(lambda j: torch.nn.functional.linear(x, weights[j]), len(weights)),
             })
     return rows
