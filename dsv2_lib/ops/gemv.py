@@ -23,7 +23,7 @@ from dsv2_lib.core import kernels
 from dsv2_lib.core.kernels import CUDA_TYPE
 
 GEMV_MAX_TOKENS = 2  # tokens (rows of x) up to which the engine runs the GEMV; cuBLAS beyond (benchmarks/bench_gemv.py)
-SKINNY_MAX_TOKENS = 0  # ... and beyond those, up to which it runs linear_skinny (benchmarks/bench_gemv.py); 0: never
+SKINNY_MAX_TOKENS = 8  # ... and beyond those, up to which it runs linear_skinny (benchmarks/bench_gemv.py); 0: never
 TOKENS_COMPILED = 4  # the kernel is compiled for 1..4 rows, so that the benchmark can time it past the threshold
 WARPS = 4  # warps per block, two output columns each (gemv.cu's gemv::WARPS)
 SKINNY_WARPS = 8  # warps per block of linear_skinny, splitting K between them
