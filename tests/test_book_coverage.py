@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # item -> chapter that will show it
 # the skinny dense GEMM waits for its GPU measurement (benchmarks/bench_gemv.py) before chapter 14 shows it
-PENDING: dict[str, str] = {"gemv.linear_skinny": "14", "gemv.skinny_applies": "14", "linear_skinny.cu:linear_skinny": "14"}
+PENDING: dict[str, str] = {}
 # modules described in a markdown page rather than shown in a chapter: the course's maintenance, and the
 # serving surface that sits on top of chapter 11's engine
 NOT_TAUGHT = {
