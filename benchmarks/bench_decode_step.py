@@ -14,6 +14,9 @@ tokens each decoding one token, as the engine's CUDA graph runs the step (chapte
   GPU spends between kernels (negative where a side stream's kernels overlap the main stream's: up to
   16 tokens, chapter 14); then busy time by kind of kernel, and every kernel (costliest first: the record
   holds all of them, the printout the twelve costliest and every one that PyTorch launches itself).
+* **skinny**: milliseconds per replayed step at 3 to 8 sequences with every ``Linear``'s skinny GEMM off
+  (cuBLAS) and at the engine's ``SKINNY_MAX_TOKENS``: the end-to-end check of the per-call choice that
+  ``benchmarks/bench_gemv.py`` makes, side streams and all.
 
 Dependent launch is switched off by patching what :class:`~dsv2_lib.core.kernels.KernelFile` asks
 (``programmatic_launch_supported``) and forgetting its cached launchers: a measurement's switch, not
@@ -38,9 +41,12 @@ from dsv2_lib.core.dtypes import default_dtype
 from dsv2_lib.engine.graph_runner import DecodeGraphRunner
 from dsv2_lib.model.cache import PagedLatentCache
 from dsv2_lib.model.deepseek_v2 import DeepseekV2
+from dsv2_lib.model.layers import Linear
+from dsv2_lib.ops.gemv import SKINNY_MAX_TOKENS
 from dsv2_lib.tools import bench
 
 CONTEXT, BLOCK, BATCHES, STEPS = 512, 16, (1, 8, 32, 128), 50
+SKINNY_BATCHES = (3, 4, 6, 8)  # sequences at which the dense projections' skinny GEMM is weighed end to end
 PER_SEQUENCE = CONTEXT // BLOCK + 1  # blocks per sequence: its context and the new token's row
 KINDS = (("linear_gemv", "projections (our GEMV)"), ("linear_skinny", "projections (our skinny GEMM)"),
          ("mla_absorb", "MLA absorbed products"),
@@ -76,6 +82,24 @@ def dependent_launches(on: bool) -> None:
     """Launch the waiting kernels as dependent launches (where the GPU has them) or the ordinary way."""
     kernels.programmatic_launch_supported = dependent_launch.programmatic_launch_supported if on else (lambda i: False)
     kernels._launchers.clear()
+
+
+def skinny_step_ms(model: DeepseekV2, cache: PagedLatentCache) -> dict:
+    """Milliseconds per replayed step at each of ``SKINNY_BATCHES`` with every ``Linear``'s
+    ``skinny_max_tokens`` at 0 (cuBLAS from 3 tokens) and at ``SKINNY_MAX_TOKENS``; the model's own
+    thresholds are put back after."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    own = [m.skinny_max_tokens for m in linears]
+    ms = {}
+    for threshold in (0, SKINNY_MAX_TOKENS):
+        for m in linears:
+            m.skinny_max_tokens = threshold
+        runner = DecodeGraphRunner(model, cache)
+        ms[threshold] = {B: ms_per_step(runner, step_inputs(B)) for B in SKINNY_BATCHES}
+        del runner
+    for m, t in zip(linears, own):
+        m.skinny_max_tokens = t
+    return ms
 
 
 def replay_profile(runner: DecodeGraphRunner, inputs: tuple) -> dict:
@@ -119,6 +143,8 @@ def main() -> None:
         runner = DecodeGraphRunner(model, cache)
         graph_ms["dependent" if on else "ordinary"] = {B: ms_per_step(runner, step_inputs(B)) for B in BATCHES}
         del runner
+    dependent_launches(dependent)  # as the engine launches
+    skinny_ms = skinny_step_ms(model, cache) if SKINNY_MAX_TOKENS else {}
     dependent_launches(False)
     runner = DecodeGraphRunner(model, cache)
     profiles = {B: replay_profile(runner, step_inputs(B)) for B in BATCHES}
@@ -130,6 +156,10 @@ def main() -> None:
         p = profiles[B]
         print(f"{B:4d} " + " ".join(f"{graph_ms[k][B]:13.3f}" for k in graph_ms)
               + f" {p['kernels']:8d} {p['busy_ms']:8.3f} {p['span_ms']:8.3f} {p['gaps_ms']:8.3f}")
+    if skinny_ms:
+        print(f"\ndense projections of 3 to {SKINNY_MAX_TOKENS} tokens, ms per step: cuBLAS | skinny GEMM")
+        for B in SKINNY_BATCHES:
+            print(f"{B:4d} {skinny_ms[0][B]:8.3f} | {skinny_ms[SKINNY_MAX_TOKENS][B]:8.3f}")
     for B in BATCHES:
         print(f"\nB = {B}, busy ms by kind:", {k: round(v, 3) for k, v in profiles[B]["busy_ms_by_kind"].items()})
         for i, t in enumerate(profiles[B]["by_kernel"]):  # the costliest, and every kernel torch launches
@@ -138,7 +168,8 @@ def main() -> None:
     record = {"gpu": torch.cuda.get_device_name(), "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "sources_sha256": bench._sources_sha256(),
-              "context": CONTEXT, "steps": STEPS, "graph_ms": graph_ms, "profiles": profiles}
+              "context": CONTEXT, "steps": STEPS, "graph_ms": graph_ms, "profiles": profiles,
+              "skinny_ms": skinny_ms}
     (out_dir / "bench_decode_step.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
