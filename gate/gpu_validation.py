@@ -1,13 +1,13 @@
-"""The GPU validation gate: run on the GPU machine after any change to kernels or their wrappers.
+"""The GPU validation gate: run on the GPU machine after any change to code that the GPU tests run.
 
     python gate/gpu_validation.py tests        # part 1: pytest -m gpu (~3 min on the H200)
     python gate/gpu_validation.py memcheck     # part 2: compute-sanitizer memcheck over the kernel tests
-    python gate/gpu_validation.py racecheck    # part 3: compute-sanitizer racecheck (~8 min)
+    python gate/gpu_validation.py racecheck    # part 3: compute-sanitizer racecheck (~5 min)
     python gate/gpu_validation.py              # all three, one after the other
 
 Each part fits one 10-minute call on the GPU machine and writes its section of
-gate/gpu_validation_report.json; a section written for other kernel sources is dropped, so the
-report is complete only when every part ran on the sources being committed.
+gate/gpu_validation_report.json; a section written for other sources (those its hash covers, below)
+is dropped, so the report is complete only when every part ran on the sources being committed.
 
 1. ``tests``: ``pytest -m gpu`` (every GPU test: kernels against references, full-size parity);
 2. and 3. ``memcheck`` and ``racecheck``: ``compute-sanitizer --tool memcheck`` over the kernel tests
@@ -23,10 +23,14 @@ report is complete only when every part ran on the sources being committed.
    each test function (see ``spread``); only our kernels' errors count (see ``MEMCHECK_SKIP`` and
    ``RACECHECK_SKIP``). The parts do not share the GPU: measured on the H200, the full-size tests
    (~100 GB) beside 14 sanitizer processes ran the sanitized tests out of memory and both out of time;
-3. a report with the GPU, versions, dates, pass/fail counts, sanitizer error counts and a hash of
-   ``kernels_cu/`` and every engine module the GPU tests import (``kernel_sources``). ``tests/test_gpu_report.py`` (CPU, in CI) fails when
-   the hash no longer matches the sources or a part is missing, so a kernel change cannot land
-   unvalidated. Every process has a time limit and streams its log to ``$OUT/gate_logs`` (default
+3. a report with the GPU, versions, dates, pass/fail counts, sanitizer error counts and two hashes:
+   of ``kernels_cu/`` and every engine module the GPU tests import (``kernel_sources``), for the
+   tests part, and of the kernel path alone (``sanitized_sources``: ``kernels_cu/``, ``dsv2_lib/core``,
+   ``dsv2_lib/ops`` and any module that declares or launches a kernel), for the sanitizer parts, which
+   only kernels and the code that checks and launches them can change. ``tests/test_gpu_report.py``
+   (CPU, in CI) fails when a part's hash no longer matches the sources or a part is missing, so no
+   change that a GPU test runs lands without a GPU run, and a kernel change not without the sanitizers
+   (a change to the model or engine alone needs the tests part only). Every process has a time limit and streams its log to ``$OUT/gate_logs`` (default
    /tmp/gate_logs), so a run cut short still leaves its evidence.
 """
 from __future__ import annotations
@@ -95,9 +99,23 @@ def kernel_sources() -> list[Path]:
     return cu + gpu_tested_modules()
 
 
-def sources_hash() -> str:
+LAUNCHES = re.compile(r"\b(?:declare|launch|launch_dependent|RawModule|RawKernel)\(")  # a module on the kernel path
+
+
+def sanitized_sources() -> list[Path]:
+    """What the sanitizer parts validate: kernels_cu/, and of the modules the GPU tests import those on
+    the kernel path: ``dsv2_lib/core`` (loading, launch), ``dsv2_lib/ops`` (the wrappers that check inputs
+    and set grids) and any other module that declares or launches a kernel (the lessons' kernels)."""
+    cu = sorted(p for p in (ROOT / "kernels_cu").rglob("*") if p.suffix in (".cu", ".cuh"))
+    core_ops = (ROOT / "dsv2_lib" / "core", ROOT / "dsv2_lib" / "ops")
+    return cu + [p for p in gpu_tested_modules()
+                 if any(d in p.parents for d in core_ops) or LAUNCHES.search(p.read_text())]
+
+
+def sources_hash(paths: list[Path] | None = None) -> str:
+    """SHA-256 of ``paths`` (default: :func:`kernel_sources`), names and contents."""
     h = hashlib.sha256()
-    for p in kernel_sources():
+    for p in kernel_sources() if paths is None else paths:
         h.update(p.relative_to(ROOT).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
 
@@ -305,11 +323,19 @@ def part_ok(report: dict, part: str) -> bool:
         and not run["tests"].get("timed_out")
 
 
+PART_KEYS = {"tests": ("gpu_tests",), "memcheck": ("kernel_tests", "memcheck"),
+             "racecheck": ("racecheck_tests", "racecheck_per_test", "racecheck")}  # each part's sections
+PART_HASH = {"tests": "sources_sha256", "memcheck": "sanitized_sha256", "racecheck": "sanitized_sha256"}
+
+
 def merged(old: dict, part: str, results: dict, env: dict) -> dict:
-    """The report after ``part`` ran: the other parts' sections are kept only if they were written
-    for the same kernel sources."""
-    report = dict(old) if old.get("sources_sha256") == env["sources_sha256"] else {}
-    report.update(env)
+    """The report after ``part`` ran: another part's sections are kept only if the hash that part
+    answers to (``PART_HASH``) is the same now as when it ran."""
+    report = dict(env)
+    for other in PARTS:
+        if other != part and old.get(PART_HASH[other]) == env[PART_HASH[other]] and other in old.get("dates", {}):
+            report.update({k: old[k] for k in PART_KEYS[other] if k in old})
+            report.setdefault("dates", {})[other] = old["dates"][other]
     report.update(results)
     report.setdefault("dates", {})[part] = env["date"]
     return report
@@ -333,6 +359,7 @@ def main(parts: list[str]) -> int:
                          "cupy": cupy.__version__, "driver": cupy.cuda.runtime.driverGetVersion()},
             "sources": [str(p.relative_to(ROOT)) for p in kernel_sources()],
             "sources_sha256": sources_hash(),
+            "sanitized_sha256": sources_hash(sanitized_sources()),
         }
         old = json.loads(REPORT.read_text()) if REPORT.is_file() else {}
         report = merged(old, part, results, env)

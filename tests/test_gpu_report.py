@@ -2,15 +2,24 @@
 import json
 
 import pytest
-from gpu_validation import PARTS, REPORT, part_ok, sources_hash
+from gpu_validation import PARTS, REPORT, part_ok, sanitized_sources, sources_hash
 
 
 def test_report_matches_current_kernel_sources():
     report = json.loads(REPORT.read_text())
     assert report["sources_sha256"] == sources_hash(), (
         "kernels_cu/ or an engine module the GPU tests import changed since the last GPU validation: run "
-        "`python gate/gpu_validation.py tests`, `... memcheck` and `... racecheck` on the GPU machine and commit "
-        "gate/gpu_validation_report.json"
+        "`python gate/gpu_validation.py tests` on the GPU machine (and memcheck and racecheck if the next test "
+        "fails too) and commit gate/gpu_validation_report.json"
+    )
+
+
+def test_sanitizer_parts_match_current_kernel_path():
+    report = json.loads(REPORT.read_text())
+    assert report["sanitized_sha256"] == sources_hash(sanitized_sources()), (
+        "kernels_cu/ or the code that checks and launches kernels (dsv2_lib/core, dsv2_lib/ops, a module that "
+        "declares or launches one) changed since the last sanitizer run: run `python gate/gpu_validation.py "
+        "memcheck` and `... racecheck` on the GPU machine and commit gate/gpu_validation_report.json"
     )
 
 

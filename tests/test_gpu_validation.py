@@ -76,8 +76,9 @@ def test_spread_samples_each_test_function_from_end_to_end():
     assert spread(ids, 2)[:2] == ["t.py::a[0]", "t.py::a[9]"]
 
 
-def _env(sha):
-    return {"date": "d", "gpu": "NVIDIA H200", "versions": {}, "sources": [], "sources_sha256": sha}
+def _env(sha, sanitized=None):
+    return {"date": "d", "gpu": "NVIDIA H200", "versions": {}, "sources": [], "sources_sha256": sha,
+            "sanitized_sha256": sha if sanitized is None else sanitized}
 
 
 CLEAN = {"tests": {"passed": 5, "failed": 0, "skipped": 0, "errors": 0, "timed_out": False}, "errors": 0}
@@ -91,6 +92,35 @@ def test_parts_merge_only_on_the_same_sources():
     # the sources changed between the parts: the earlier parts' results no longer count
     report = merged(report, "racecheck", {"racecheck": CLEAN}, _env("b"))
     assert not part_ok(report, "tests") and not part_ok(report, "memcheck") and part_ok(report, "racecheck")
+
+
+def test_a_change_off_the_kernel_path_keeps_the_sanitizer_parts():
+    """The engine or model changed, the kernels and their wrappers did not: the tests part must run
+    again, the sanitizer parts still count; a change on the kernel path drops them."""
+    tests = {"gpu_tests": {"passed": 9, "failed": 0, "skipped": 0, "errors": 0, "timed_out": False}}
+    report = merged({}, "tests", tests, _env("a", "k"))
+    report = merged(report, "memcheck", {"kernel_tests": ["t"], "memcheck": CLEAN}, _env("a", "k"))
+    report = merged(report, "racecheck", {"racecheck": CLEAN}, _env("a", "k"))
+    # a scheduler change: the next run of the tests part keeps both sanitizer sections
+    after = merged(report, "tests", tests, _env("b", "k"))
+    assert all(part_ok(after, p) for p in PARTS) and after["kernel_tests"] == ["t"]
+    # ...but a sanitizer run on new sources drops the tests part run on the old ones
+    stale = merged(report, "memcheck", {"memcheck": CLEAN}, _env("b", "k"))
+    assert not part_ok(stale, "tests") and part_ok(stale, "racecheck")
+    # a kernel change: both sanitizer sections go
+    kernel = merged(report, "tests", tests, _env("c", "k2"))
+    assert part_ok(kernel, "tests") and not part_ok(kernel, "memcheck") and not part_ok(kernel, "racecheck")
+
+
+def test_the_sanitizers_answer_to_the_kernel_path_only():
+    import gpu_validation as gv
+
+    names = {p.relative_to(gv.ROOT).as_posix() for p in gv.sanitized_sources()}
+    assert {"kernels_cu/mla_decode.cu", "dsv2_lib/ops/gemv.py", "dsv2_lib/core/kernels.py",
+            "dsv2_lib/core/dependent_launch.py", "dsv2_lib/lessons/gemm.py", "dsv2_lib/lessons/kernel_exercises.py"} <= names
+    assert not names & {"dsv2_lib/engine/scheduler.py", "dsv2_lib/engine/graph_runner.py", "dsv2_lib/model/moe.py",
+                        "dsv2_lib/lessons/exercises.py"}
+    assert names <= {p.relative_to(gv.ROOT).as_posix() for p in gv.kernel_sources()}
 
 
 def test_a_part_that_timed_out_or_ran_nothing_is_not_ok():
