@@ -92,23 +92,26 @@ def gpu_tested_modules() -> list[Path]:
     return sorted(set(seen.values()))
 
 
+def kernel_files() -> list[Path]:
+    """The CUDA C sources: every ``.cu`` and ``.cuh`` under kernels_cu/."""
+    return sorted(p for p in (ROOT / "kernels_cu").rglob("*") if p.suffix in (".cu", ".cuh"))
+
+
 def kernel_sources() -> list[Path]:
     """What a GPU gate run validates: kernels_cu/ and every engine module the GPU tests import (the
     kernel wrappers, and the model, cache, scheduler and engine loop that the full-size tests run)."""
-    cu = sorted(p for p in (ROOT / "kernels_cu").rglob("*") if p.suffix in (".cu", ".cuh"))
-    return cu + gpu_tested_modules()
+    return kernel_files() + gpu_tested_modules()
 
 
-LAUNCHES = re.compile(r"\b(?:declare|launch|launch_dependent|RawModule|RawKernel)\(")  # a module on the kernel path
+LAUNCHES = re.compile(r"\b(?:declare|launch|RawModule|RawKernel)\(")  # a module on the kernel path
 
 
 def sanitized_sources() -> list[Path]:
     """What the sanitizer parts validate: kernels_cu/, and of the modules the GPU tests import those on
     the kernel path: ``dsv2_lib/core`` (loading, launch), ``dsv2_lib/ops`` (the wrappers that check inputs
     and set grids) and any other module that declares or launches a kernel (the lessons' kernels)."""
-    cu = sorted(p for p in (ROOT / "kernels_cu").rglob("*") if p.suffix in (".cu", ".cuh"))
     core_ops = (ROOT / "dsv2_lib" / "core", ROOT / "dsv2_lib" / "ops")
-    return cu + [p for p in gpu_tested_modules()
+    return kernel_files() + [p for p in gpu_tested_modules()
                  if any(d in p.parents for d in core_ops) or LAUNCHES.search(p.read_text())]
 
 
@@ -178,7 +181,7 @@ RACE = re.compile(r"(Error|Warning): Race reported between \w+ access at (.+?)\+
 def our_kernels() -> set[str]:
     """The names of every ``__global__`` function in kernels_cu/."""
     names = set()
-    for cu in sorted(p for p in (ROOT / "kernels_cu").rglob("*") if p.suffix in (".cu", ".cuh")):
+    for cu in kernel_files():
         names |= set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s+)?(\w+)\s*\(",
                                 cu.read_text()))  # launch bounds may call a constexpr function: f(x)
     return names
