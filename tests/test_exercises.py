@@ -82,9 +82,14 @@ def _wrapping_embedding(ids, weight):  # a negative id wraps around to the last 
     return weight[ids.long()]
 
 
-def _whole_slabs_only(a, b, tile=16):  # drops the last, narrower slab of K
-    K = a.shape[1] // tile * tile
-    return (a[:, :K].float() @ b[:K].float()).to(a.dtype)
+def _latent_not_normalised(x, q_proj, kv_a_proj, kv_a_norm, kv_b_proj, heads, rope_dim):  # skips kv_a_layernorm
+    T, c = x.shape[0], kv_a_norm.shape[0]
+    q = (x @ q_proj.T).view(T, heads, -1)
+    q_nope, q_pe = q.split([q.shape[-1] - rope_dim, rope_dim], dim=-1)
+    latent, k_pe = (x @ kv_a_proj.T).split([c, rope_dim], dim=-1)
+    kv = (latent @ kv_b_proj.T).view(T, heads, -1)
+    k_nope, v = kv.split([q_nope.shape[-1], kv.shape[-1] - q_nope.shape[-1]], dim=-1)
+    return q_nope, q_pe, latent, k_pe, k_nope, v
 
 
 def _no_rescale(q, k, v, scale, tile=16):  # forgets exp(m_old - m_new) when the running max grows
@@ -123,7 +128,7 @@ def _reads_every_expert(cfg, batch, context, bytes_per_value=2):  # all routed e
 
 
 PLANTED = {"decode_bytes": (_reads_every_expert, "expected"), "read_header": (_no_overlap_check, "must be refused"), "embedding": (_wrapping_embedding, "must be refused"),
-           "tiled_matmul": (_whole_slabs_only, "expected"), "online_attention": (_no_rescale, "expected"),
+           "mla_projections": (_latent_not_normalised, "the result[2]"), "online_attention": (_no_rescale, "expected"),
            "silu_and_mul": (_swapped_halves, "expected"), "absorbed_query": (_no_rope_part, "shape"),
            "slot_mapping": (_ignores_the_table, "expected"), "reserve_admits": (_reserves_one_row_too_many, "expected"),
            "rms_norm": (_no_weight, "the result"), "rope": (_halves_rope, "the result"),

@@ -32,7 +32,6 @@ from dsv2_lib.core import safetensors_io
 from dsv2_lib.core.config import DEEPSEEK_V2_LITE, TINY
 from dsv2_lib.engine import sampling
 from dsv2_lib.engine.sampling import SamplingParams
-from dsv2_lib.lessons import gemm
 from dsv2_lib.ops import activation, embedding, mla_absorb, mla_decode, moe_routing, norm, rope
 from dsv2_lib.tools import roofline
 
@@ -362,14 +361,45 @@ def _embedding_cases() -> list[_Case]:
             _Case("a negative id (must be refused)", (torch.tensor([-1]), w))]
 
 
-def _matmul_cases() -> list[_Case]:
+def _mla_projections_reference(x: torch.Tensor, q_proj: torch.Tensor, kv_a_proj: torch.Tensor, kv_a_norm: torch.Tensor,
+                               kv_b_proj: torch.Tensor, heads: int, rope_dim: int) -> tuple[torch.Tensor, ...]:
+    """Chapter 05's projections of one MLA layer (no ``q_lora_rank``), computed by the engine's ``MLA``
+    with these weights: ``x [T, H]``, ``q_proj [h(n + r), H]``, ``kv_a_proj [C + r, H]``,
+    ``kv_a_norm [C]``, ``kv_b_proj [h(n + v), C]`` -> ``q_nope [T, h, n]``, ``q_pe [T, h, r]``,
+    ``latent [T, C]`` (RMS-normalised), ``k_pe [T, r]``, ``k_nope [T, h, n]``, ``v [T, h, v]``."""
+    from dsv2_lib.core.dtypes import default_dtype
+    from dsv2_lib.model.mla import MLA
+
+    c = kv_a_norm.shape[0]
+    nope = q_proj.shape[0] // heads - rope_dim
+    cfg = dataclasses.replace(TINY, hidden_size=x.shape[1], num_attention_heads=heads, q_lora_rank=None,
+                              kv_lora_rank=c, qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim,
+                              v_head_dim=kv_b_proj.shape[0] // heads - nope)
+    with default_dtype(x.dtype):
+        attn = MLA(cfg)
+    for param, w in ((attn.q_proj.weight, q_proj), (attn.kv_a_proj_with_mqa.weight, kv_a_proj),
+                     (attn.kv_a_layernorm.weight, kv_a_norm), (attn.kv_b_proj.weight, kv_b_proj)):
+        param.copy_(w)
+    q_nope, q_pe = attn.project_q(x).split([nope, rope_dim], dim=-1)
+    latent, k_pe = attn.project_latent(x)
+    k_nope, v = attn.kv_b_proj(latent).view(x.shape[0], heads, -1).split([nope, cfg.v_head_dim], dim=-1)
+    return q_nope, q_pe, latent, k_pe, k_nope, v
+
+
+def _mla_cases() -> list[_Case]:
     cases = []
-    for i, (m, k, n, dtype) in enumerate([(1, 8, 4, torch.float32), (16, 64, 16, torch.float32),
-                                          (33, 70, 17, torch.float32), (64, 128, 48, torch.bfloat16)]):
+    for i, (T, H, h, n, r, c, v, dtype) in enumerate([
+            (5, 256, 4, 32, 16, 64, 32, torch.float32),     # the tiny model's layer
+            (1, 64, 2, 16, 8, 32, 24, torch.float32),       # one token; value heads narrower than key heads
+            (2, 128, 16, 128, 64, 512, 128, torch.float32),  # V2-Lite's heads and latent, a narrow model
+            (3, 256, 4, 32, 16, 64, 32, torch.bfloat16)]):
         g = _gen(80 + i)
-        cases.append(_Case(f"[{m}, {k}] @ [{k}, {n}] {str(dtype).removeprefix('torch.')}"
-                           f"{' (not multiples of the tile)' if m % 16 or k % 16 or n % 16 else ''}",
-                           (torch.randn(m, k, generator=g).to(dtype), torch.randn(k, n, generator=g).to(dtype))))
+        w = lambda rows, cols: torch.randn(rows, cols, generator=g) / cols ** 0.5  # noqa: E731
+        args = (torch.randn(T, H, generator=g), w(h * (n + r), H), w(c + r, H), 1 + 0.1 * torch.randn(c, generator=g),
+                w(h * (n + v), c))
+        cases.append(_Case(f"{_n(T, 'token')}, H {H}, {_n(h, 'head')} of {n} + {r} (query/key) and {v} (value), "
+                           f"latent {c}, {str(dtype).removeprefix('torch.')}",
+                           tuple(a.to(dtype) for a in args) + (h, r)))
     return cases
 
 
@@ -460,7 +490,7 @@ EXERCISES: dict[str, _Exercise] = {e.name: e for e in [
     _Exercise("embedding", "02", embedding.embedding_reference, _embedding_cases,
               engine="dsv2_lib.ops.embedding:embedding_reference", exact=True),
     _Exercise("rms_norm", "03", norm.rms_norm_reference, _rms_norm_cases, engine="dsv2_lib.ops.norm:rms_norm_reference"),
-    _Exercise("tiled_matmul", "05", gemm.tiled_matmul_reference, _matmul_cases),
+    _Exercise("mla_projections", "05", _mla_projections_reference, _mla_cases),
     _Exercise("online_attention", "06", attention_reference, _attention_cases),
     _Exercise("silu_and_mul", "07", activation.silu_and_mul_reference, _silu_cases,
               engine="dsv2_lib.ops.activation:silu_and_mul_reference"),
