@@ -120,6 +120,19 @@ def _ignores_the_table(block_table, positions, block_size):  # contiguous slots,
     return list(positions)
 
 
+def _prompts_before_decodes(budget, decoding, partial, waiting):  # prompt chunks first: decodes stall behind them
+    if budget < 1:
+        raise ValueError("budget")
+    chunk = min(partial, budget)
+    left, admitted = budget - chunk, []
+    for length in waiting:
+        if left < 1:
+            break
+        admitted.append(min(length, left))
+        left -= admitted[-1]
+    return min(decoding, left), chunk, admitted
+
+
 def _reads_every_expert(cfg, batch, context, bytes_per_value=2):  # all routed experts, whatever the batch
     c = roofline.parameter_counts(cfg)
     weights = c["total"] - c["embedding"] - c["lm_head"] + cfg.vocab_size * cfg.hidden_size
@@ -133,7 +146,8 @@ PLANTED = {"decode_bytes": (_reads_every_expert, "expected"), "read_header": (_n
            "slot_mapping": (_ignores_the_table, "expected"), "reserve_admits": (_reserves_one_row_too_many, "expected"),
            "rms_norm": (_no_weight, "the result"), "rope": (_halves_rope, "the result"),
            "route": (_softmax_after_topk, "the result[0]"), "moe_align": (_unpadded_align, "shape"),
-           "filter_logits": (_top_p_inclusive, "expected"), "balanced_segments": (_slot_is_the_worker, "expected")}
+           "filter_logits": (_top_p_inclusive, "expected"), "balanced_segments": (_slot_is_the_worker, "expected"),
+           "step_tokens": (_prompts_before_decodes, "expected")}
 
 
 @pytest.mark.parametrize("name", sorted(EXERCISES))

@@ -3,6 +3,7 @@ to each decoding request first, then spends the rest on prompt chunks; only a pr
 samples. Exact step-by-step plans (pure Python, the fake model of test_scheduler), then the tiny model
 on the CPU in float32: chunking changes no generated token, decodes keep flowing beside a long
 prefill, the prefix cache and preemption still work, statistics, the CLI flag and bad values."""
+import random
 import re
 import subprocess
 import sys
@@ -184,3 +185,32 @@ def test_cli_flag():
     r = run("--max-num-batched-tokens", "0", "hi")
     assert r.returncode == 2 and "--max-num-batched-tokens: must be an int >= 1, got 0" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("budget", [1, 3, 8, 16])
+def test_every_step_spends_its_budget_in_the_order_chapter_14_teaches(budget):
+    """The scheduler and ``exercises.step_tokens_reference`` (the Build it's answer) agree on every step
+    of random runs with memory to spare: requests arrive between steps, prompts of 1 to 40 tokens."""
+    from dsv2_lib.lessons.exercises import step_tokens_reference
+
+    rng = random.Random(budget)
+    bm = BlockManager(4096, 4, prefix_caching=False)
+    sched = Scheduler(bm, max_num_batched_tokens=budget)
+    steps = 0
+    while steps < 60 or sched.has_unfinished():
+        if steps < 60 and rng.random() < 0.3:
+            sched.add_request([rng.randrange(2, 100) for _ in range(rng.randint(1, 40))], rng.randint(1, 6))
+        if not sched.has_unfinished():
+            steps += 1
+            continue
+        decoding = sum(r.decoding for r in sched.running)
+        partial = next((len(r.tokens) - bm.num_tokens(r.id) for r in sched.running if not r.decoding), 0)
+        before = {r.id for r in sched.running}
+        want = step_tokens_reference(budget, decoding, partial, [len(r.tokens) for r in sched.waiting])
+        work = sched.schedule()
+        got = (sum(not w.prefill for w in work),
+               sum(len(w.token_ids) for w in work if w.prefill and w.request.id in before),
+               [len(w.token_ids) for w in work if w.prefill and w.request.id not in before])
+        assert got == want, f"step {steps}: the scheduler spent {got}, the reference says {want}"
+        sched.update(work, [7] * sum(w.samples for w in work))
+        steps += 1

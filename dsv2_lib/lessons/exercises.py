@@ -36,7 +36,7 @@ from dsv2_lib.ops import activation, embedding, mla_absorb, mla_decode, moe_rout
 from dsv2_lib.tools import roofline
 
 __all__ = ["EXERCISES", "check", "grade", "swapped", "generate_with", "attention_reference",
-           "reserve_admits_reference", "slot_mapping_reference"]
+           "reserve_admits_reference", "slot_mapping_reference", "step_tokens_reference"]
 
 
 @dataclass(frozen=True)
@@ -484,6 +484,36 @@ def _slot_cases() -> list[_Case]:
             _Case("a position past the last block (must be refused)", ([2, 5], [31, 32], 16))]
 
 
+def step_tokens_reference(budget: int, decoding: int, partial: int, waiting: list[int]) -> tuple[int, int, list[int]]:
+    """Chapter 14's order of a step's token budget, memory permitting: one token for each of the
+    ``decoding`` requests, then the next chunk of the prompt being prefilled (``partial`` tokens still to
+    compute; 0: none), then prompts from the queue (``waiting``: their lengths, first come first), each
+    taking at most what is left -> (decode tokens, the partial prompt's chunk, [each admitted prompt's
+    chunk]). A budget below one token is refused."""
+    if budget < 1:
+        raise ValueError(f"a step's budget must be at least 1 token, got {budget}")
+    decode = min(decoding, budget)
+    chunk = min(partial, budget - decode)
+    left, admitted = budget - decode - chunk, []
+    for length in waiting:
+        if left < 1:
+            break
+        admitted.append(min(length, left))
+        left -= admitted[-1]
+    return decode, chunk, admitted
+
+
+def _step_cases() -> list[_Case]:
+    return [_Case("budget 16, nothing running, one prompt of 40 (its first chunk)", (16, 0, 0, [40])),
+            _Case("budget 16, 2 decoding, 5 left of a prompt, a prompt of 20 waiting", (16, 2, 5, [20])),
+            _Case("budget 8, 3 decoding, prompts of 2, 2 and 9 waiting (the last gets what is left)",
+                  (8, 3, 0, [2, 2, 9])),
+            _Case("budget 4, 6 decoding (decodes alone exceed the budget)", (4, 6, 10, [3])),
+            _Case("budget 10, 4 decoding, 6 left of a prompt (exactly the rest): none admitted", (10, 4, 6, [1, 1])),
+            _Case("budget 8192, 32 decoding, 32,768 left of a prompt", (8192, 32, 32768, [100])),
+            _Case("a budget of 0 tokens (must be refused)", (0, 1, 0, [5]))]
+
+
 EXERCISES: dict[str, _Exercise] = {e.name: e for e in [
     _Exercise("decode_bytes", "00", roofline.decode_bytes_per_step, _decode_bytes_cases),
     _Exercise("read_header", "01", safetensors_io.read_header, _header_cases),
@@ -504,4 +534,5 @@ EXERCISES: dict[str, _Exercise] = {e.name: e for e in [
     _Exercise("moe_align", "08", moe_routing.moe_align_reference, _moe_align_cases, exact=True),
     _Exercise("filter_logits", "09", sampling.filter_logits, _filter_cases),
     _Exercise("balanced_segments", "13", mla_decode.balanced_segments, _segment_cases, exact=True),
+    _Exercise("step_tokens", "14", step_tokens_reference, _step_cases, exact=True),
 ]}
