@@ -20,7 +20,6 @@ from dsv2_lib.tools.show import show_kernel
 ROOT = Path(__file__).resolve().parent.parent
 
 # item -> chapter that will show it
-# the skinny dense GEMM waits for its GPU measurement (benchmarks/bench_gemv.py) before chapter 14 shows it
 PENDING: dict[str, str] = {}
 # modules described in a markdown page rather than shown in a chapter: the course's maintenance, and the
 # serving surface that sits on top of chapter 11's engine
