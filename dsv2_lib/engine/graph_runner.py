@@ -74,8 +74,8 @@ class DecodeBuffers:
 
         Only the table's first ``cols`` columns are written: those this step's tables need and those an
         earlier step left entries in. The table is as wide as the longest context the cache allows
-        (10,240 columns for V2-Lite's 163,840 tokens in blocks of 16); building and copying all of it
-        took the host longer than the GPU's whole step at batch 128 (chapter 14).
+        (10,240 columns for V2-Lite's 163,840 tokens in blocks of 16): writing all of it would cost the
+        host more than a batch-128 step takes on the GPU.
         """
         n = self.block_table.shape[0]
         B = len(token_ids)
