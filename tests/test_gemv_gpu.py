@@ -93,18 +93,20 @@ def test_linear_module_uses_the_kernel():
 
 
 @pytest.mark.cuda_graph
-def test_cuda_graph_replays_the_kernel_on_new_inputs():
-    x, w = inputs(2, 3072, 2048, torch.bfloat16)
+@pytest.mark.parametrize("op,t,n", [(linear, 2, 3072), (linear_skinny, 32, 2048)], ids=["gemv", "skinny"])
+def test_cuda_graph_replays_the_kernel_on_new_inputs(op, t, n):
+    """The GEMV (two tokens) and the skinny GEMM (32), captured once, replayed on fresh inputs."""
+    x, w = inputs(t, n, 2048, torch.bfloat16)
     static = x.clone()
-    linear(static, w)  # compile outside the capture
+    op(static, w)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = linear(static, w)
+        out = op(static, w)
     for seed in (1, 2):
-        fresh, _ = inputs(2, 3072, 2048, torch.bfloat16, seed=seed)
+        fresh, _ = inputs(t, n, 2048, torch.bfloat16, seed=seed)
         static.copy_(fresh)
         graph.replay()
-        assert torch.equal(out, linear(fresh, w))
+        assert torch.equal(out, op(fresh, w))
 
 
 # ---- the skinny GEMM: 3 to 64 tokens on the tensor cores -------------------------------------------
@@ -156,21 +158,6 @@ def test_skinny_refuses_what_it_was_not_written_for():
         assert not skinny_applies(xi, wi)
         with pytest.raises(ValueError, match="linear_skinny: takes 16-bit CUDA rows"):
             linear_skinny(xi, wi)
-
-
-@pytest.mark.cuda_graph
-def test_cuda_graph_replays_the_skinny_gemm_on_new_inputs():
-    x, w = inputs(32, 2048, 2048, torch.bfloat16)
-    static = x.clone()
-    linear_skinny(static, w)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = linear_skinny(static, w)
-    for seed in (1, 2):
-        fresh, _ = inputs(32, 2048, 2048, torch.bfloat16, seed=seed)
-        static.copy_(fresh)
-        graph.replay()
-        assert torch.equal(out, linear_skinny(fresh, w))
 
 
 def test_linear_takes_the_skinny_gemm_past_the_gemv_up_to_its_threshold():
