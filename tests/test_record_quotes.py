@@ -1,5 +1,5 @@
 """Numbers the prose quotes from the committed benchmark records agree with those records: a new
-`python -m dsv2_lib bench` (or `benchmarks/bench_prefill.py`) run that changes a figure fails here until
+`python -m dsv2_lib bench` (or `benchmarks/bench_prefill.py`, `benchmarks/bench_decode_step.py`) run that changes a figure fails here until
 every sentence and table that quotes it is rewritten. Each quote is rebuilt from the record with the
 prose's own formatting; whitespace (line breaks) is ignored."""
 import json
@@ -8,9 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from dsv2_lib.core.config import DEEPSEEK_V2_LITE
+from dsv2_lib.tools import roofline
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = json.loads((ROOT / "benchmarks" / "bench.json").read_text())
 PREFILL = {r["batch"]: r for r in json.loads((ROOT / "benchmarks" / "bench_prefill.json").read_text())["rows"]}
+STEP = json.loads((ROOT / "benchmarks" / "bench_decode_step.json").read_text())["graph_ms"]
 
 
 def _rate(engine: str, kind: str, batch: int) -> float:
@@ -29,6 +33,7 @@ def _quotes() -> dict[str, list[str]]:
     frac = {r["batch"]: r["roofline_fraction"] for r in BENCH["results"] if r["engine"] == "ours" and r["kind"] == "decode"}
     bound = {b: d[b] / frac[b] for b in frac}
     host, gpu = PREFILL[8]["host_ms"], PREFILL[8]["gpu_ms"]
+    read_bound = roofline.prefill_roofline_tokens_per_s(DEEPSEEK_V2_LITE, BENCH["config"]["prompt_len"])
     return {
         "notebooks/00_inference_explained.ipynb": [
             f"batch-1 point, {hd[1]:.1f} tokens/s", f"at batch 128 it reaches {hd[128]:,.0f} tokens/s"],
@@ -39,7 +44,10 @@ def _quotes() -> dict[str, list[str]]:
             f"prefills at {_k(p[1])} tokens/s, {p[1] / hp[1]:.1f} times transformers",
             f"({d[1]:,.0f} and {d[128]:,.0f} tokens/s)", f"32 narrowly ({d[32]:,.0f})", f"8 × 512 ({_k(p[8])})",
             f"1 × 512 prompt prefills at {_k(p[1])} tokens/s", f"(1 / {d[1]:.1f} tokens/s = {1e3 / d[1]:.2f} ms)",
-            f"spending {host:.0f} ms on the host for {gpu:.0f} ms of GPU time"],
+            f"spending {host:.0f} ms on the host for {gpu:.0f} ms of GPU time",
+            f"{100 * p[1] / read_bound:.0f} % of the {read_bound / 1e3:.0f}k that reading the weights allows",
+            f"(eagerly, {PREFILL[1]['host_ms']:.0f} ms of host time)",
+            f"from {STEP['ordinary']['1']:.2f} to {STEP['dependent']['1']:.2f} ms at batch 1"],
         "book/real_model.md": [
             f"| 1 | {d[1]:,.0f} | {hd[1]:.1f} |",
             *(f"| {b} | {d[b]:,.0f} | {hd[b]:,.0f} |" for b in (8, 32, 128)),
