@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print the scheduler and cache statistics to stderr")
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated (one prompt)")
     gen.add_argument("--tuning", default=None, metavar="FILE",
-                     help="kernel-path thresholds measured by `calibrate` (default: the shipped ones, from an H200; the skinny GEMM's from an H100)")
+                     help="kernel-path thresholds measured by `calibrate` (default: the shipped ones)")
     add_serve_parser(sub)
     add_bench_parser(sub)
     add_calibrate_parser(sub)
@@ -175,7 +175,7 @@ def add_serve_parser(sub) -> None:
                    help="KV cache size in MiB (default on CUDA: what is left of 90%% of the GPU's memory after the "
                         "weights and the activations' reserve, at most what is free; 256 MiB on a CPU)")
     s.add_argument("--tuning", default=None, metavar="FILE",
-                   help="kernel-path thresholds measured by `calibrate` (default: the shipped ones, from an H200; the skinny GEMM's from an H100)")
+                   help="kernel-path thresholds measured by `calibrate` (default: the shipped ones)")
     s.add_argument("--trace", default=None, metavar="FILE",
                    help="write every scheduler step to FILE as JSON lines (default: no trace)")
 
@@ -277,7 +277,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--in-step", dest="async_scheduling", action="store_false",
                    help="ours without planning a step ahead of the GPU")
     b.add_argument("--tuning", default=None, metavar="FILE",
-                   help="ours with kernel-path thresholds measured by `calibrate` (default: the shipped ones, from an H200; the skinny GEMM's from an H100)")
+                   help="ours with kernel-path thresholds measured by `calibrate` (default: the shipped ones)")
     b.add_argument("--out", default="bench_results", help="directory for bench.json and bench.png (the book's "
                                                           "committed record is benchmarks/: write there on purpose)")
 
