@@ -46,7 +46,7 @@ def _quotes() -> dict[str, list[str]]:
             f"1 × 512 prompt prefills at {_k(p[1])} tokens/s", f"(1 / {d[1]:.1f} tokens/s = {1e3 / d[1]:.2f} ms)",
             f"spending {host:.0f} ms on the host for {gpu:.0f} ms of GPU time",
             f"{100 * p[1] / read_bound:.0f} % of the {read_bound / 1e3:.0f}k that reading the weights allows",
-            f"(eagerly, {PREFILL[1]['host_ms']:.0f} ms of host time)",
+            f"its forward costs {PREFILL[1]['host_ms']:.0f} ms of host time",
             f"from {STEP['ordinary']['1']:.2f} to {STEP['dependent']['1']:.2f} ms at batch 1"],
         "book/real_model.md": [
             f"| 1 | {d[1]:,.0f} | {hd[1]:.1f} |",
