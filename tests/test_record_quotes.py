@@ -1,12 +1,13 @@
 """Numbers the prose quotes from the committed benchmark records agree with those records: a new
-`python -m dsv2_lib bench` (or `benchmarks/bench_prefill.py`, `benchmarks/bench_decode_step.py`) run that changes a figure fails here until
-every sentence and table that quotes it is rewritten. Each quote is rebuilt from the record with the
-prose's own formatting; whitespace (line breaks) is ignored."""
+`python -m dsv2_lib bench` (or `benchmarks/bench_prefill.py`, `benchmarks/bench_decode_step.py`) run that
+changes a figure fails here until every sentence and table that quotes it is rewritten. Each quote is
+rebuilt from the record with the prose's own formatting; whitespace (line breaks) is ignored."""
 import json
 import re
 from pathlib import Path
 
 import pytest
+from test_book_surface import markdown
 
 from dsv2_lib.core.config import DEEPSEEK_V2_LITE
 from dsv2_lib.tools import roofline
@@ -18,7 +19,8 @@ STEP = json.loads((ROOT / "benchmarks" / "bench_decode_step.json").read_text())[
 
 
 def _rate(engine: str, kind: str, batch: int) -> float:
-    return next(r["tokens_per_s"] for r in BENCH["results"] if (r["engine"], r["kind"], r["batch"]) == (engine, kind, batch))
+    return next(r["tokens_per_s"] for r in BENCH["results"]
+                if (r["engine"], r["kind"], r["batch"]) == (engine, kind, batch))
 
 
 def _k(v: float, sep: str = "") -> str:  # 25466 -> "25.5k" (or "25.5 k" in a table)
@@ -30,7 +32,8 @@ def _quotes() -> dict[str, list[str]]:
     hd = {b: _rate("transformers", "decode", b) for b in (1, 8, 32, 128)}
     p = {b: _rate("ours", "prefill", b) for b in (1, 8)}
     hp = {b: _rate("transformers", "prefill", b) for b in (1, 8)}
-    frac = {r["batch"]: r["roofline_fraction"] for r in BENCH["results"] if r["engine"] == "ours" and r["kind"] == "decode"}
+    frac = {r["batch"]: r["roofline_fraction"] for r in BENCH["results"]
+            if (r["engine"], r["kind"]) == ("ours", "decode")}
     bound = {b: d[b] / frac[b] for b in frac}
     host, gpu = PREFILL[8]["host_ms"], PREFILL[8]["gpu_ms"]
     read_bound = roofline.prefill_roofline_tokens_per_s(DEEPSEEK_V2_LITE, BENCH["config"]["prompt_len"])
@@ -38,7 +41,8 @@ def _quotes() -> dict[str, list[str]]:
         "notebooks/00_inference_explained.ipynb": [
             f"batch-1 point, {hd[1]:.1f} tokens/s", f"at batch 128 it reaches {hd[128]:,.0f} tokens/s"],
         "notebooks/11_batching.ipynb": [
-            f"grows {d[128] / d[1]:.0f}-fold and stays at {100 * min(frac.values()):.0f}–{100 * max(frac.values()):.0f} % "
+            f"grows {d[128] / d[1]:.0f}-fold and stays at "
+            f"{100 * min(frac.values()):.0f}–{100 * max(frac.values()):.0f} % "
             f"of the bound, which grows {bound[128] / bound[1]:.0f}-fold"],
         "notebooks/14_performance.ipynb": [
             f"prefills at {_k(p[1])} tokens/s, {p[1] / hp[1]:.1f} times transformers",
@@ -58,10 +62,7 @@ def _quotes() -> dict[str, list[str]]:
 
 
 def _prose(path: Path) -> str:
-    if path.suffix == ".ipynb":
-        text = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown")
-    else:
-        text = path.read_text()
+    text = "\n".join(markdown(path)) if path.suffix == ".ipynb" else path.read_text()
     return re.sub(r"\s+", " ", text)
 
 
