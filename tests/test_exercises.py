@@ -37,6 +37,10 @@ def _no_weight(x, weight, eps):
     return _ref_rms(x, torch.ones_like(weight), eps)
 
 
+def _skeleton_rms(x, weight, eps):
+    raise NotImplementedError
+
+
 def _halves_rope(q_pe, k_pe, positions, cache):  # rotates (x[i], x[i + d/2]): the NeoX pairing, not DeepSeek's
     cos, sin = cache[positions].chunk(2, dim=-1)
     for x, c, s in ((q_pe, cos[:, None], sin[:, None]), (k_pe, cos, sin)):
@@ -200,6 +204,8 @@ def test_swapped_replaces_the_engine_function_and_restores_it():
     assert calls, "the engine never called the swapped-in function"
     assert norm.rms_norm_reference is _ref_rms and moe_routing.route is _ref_route and sampling.filter_logits is _ref_filter
     assert "part from the engine's at token" in generate_with("rms_norm", _no_weight, max_tokens=8)
+    assert "not written yet" in generate_with("rms_norm", _skeleton_rms, max_tokens=2)
+    assert norm.rms_norm_reference is _ref_rms, "a skeleton's NotImplementedError left the engine swapped"
     with pytest.raises(ValueError, match="no engine function"):
         with swapped("moe_align", _unpadded_align):
             pass
