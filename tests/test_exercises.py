@@ -96,14 +96,27 @@ def _latent_not_normalised(x, q_proj, kv_a_proj, kv_a_norm, kv_b_proj, heads, ro
     return q_nope, q_pe, latent, k_pe, k_nope, v
 
 
-def _no_rescale(q, k, v, scale, tile=16):  # forgets exp(m_old - m_new) when the running max grows
-    m, l, acc = torch.full((q.shape[0],), float("-inf")), torch.zeros(q.shape[0]), torch.zeros(q.shape[0], v.shape[1])
+def _online(q, k, v, start, scale, tile=16, rescale=True, mask=True):  # section 3's recurrence, with two switches
+    n, h = q.shape[:2]
+    pos = torch.arange(start, start + n)
+    m, l, acc = torch.full((h, n), float("-inf")), torch.zeros(h, n), torch.zeros(h, n, v.shape[-1])
     for j in range(0, k.shape[0], tile):
-        s = q @ k[j:j + tile].T * scale
-        m = torch.maximum(m, s.max(dim=1).values)
-        p = torch.exp(s - m[:, None])
-        l, acc = l + p.sum(dim=1), acc + p @ v[j:j + tile]
-    return acc / l[:, None]
+        s = torch.einsum("qhd,khd->hqk", q, k[j:j + tile]) * scale
+        if mask:
+            s = s.masked_fill(torch.arange(j, j + s.shape[-1])[None, :] > pos[:, None], float("-inf"))
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        c = torch.exp(m - m_new) if rescale else torch.ones_like(m)
+        p = torch.exp(s - m_new[..., None])
+        l, acc, m = l * c + p.sum(dim=-1), acc * c[..., None] + torch.einsum("hqk,khd->hqd", p, v[j:j + tile]), m_new
+    return (acc / l[..., None]).transpose(0, 1)
+
+
+def _no_rescale(q, k, v, start, scale, tile=16):  # forgets exp(m_old - m_new) when the running max grows
+    return _online(q, k, v, start, scale, tile, rescale=False)
+
+
+def _no_causal_mask(q, k, v, start, scale, tile=16):  # every query sees every key, its future included
+    return _online(q, k, v, start, scale, tile, mask=False)
 
 
 def _swapped_halves(x):  # silu(up) * gate
@@ -152,6 +165,12 @@ PLANTED = {"decode_bytes": (_reads_every_expert, "expected"), "read_header": (_n
            "route": (_softmax_after_topk, "the result[0]"), "moe_align": (_unpadded_align, "shape"),
            "filter_logits": (_top_p_inclusive, "expected"), "balanced_segments": (_slot_is_the_worker, "expected"),
            "step_tokens": (_prompts_before_decodes, "expected")}
+
+
+def test_the_online_attention_grader_needs_the_causal_mask_and_takes_the_recurrence_done_right():
+    assert grade("online_attention", _online)[0]
+    passed, line = grade("online_attention", _no_causal_mask)
+    assert not passed and "after 12 cached tokens" in line, line
 
 
 @pytest.mark.parametrize("name", sorted(EXERCISES))

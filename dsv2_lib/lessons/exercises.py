@@ -32,10 +32,10 @@ from dsv2_lib.core import safetensors_io
 from dsv2_lib.core.config import DEEPSEEK_V2_LITE, TINY
 from dsv2_lib.engine import sampling
 from dsv2_lib.engine.sampling import SamplingParams
-from dsv2_lib.ops import activation, embedding, mla_absorb, mla_decode, moe_routing, norm, rope
+from dsv2_lib.ops import activation, attention, embedding, mla_absorb, mla_decode, moe_routing, norm, rope
 from dsv2_lib.tools import roofline
 
-__all__ = ["EXERCISES", "check", "grade", "swapped", "generate_with", "attention_reference",
+__all__ = ["EXERCISES", "check", "grade", "swapped", "generate_with",
            "reserve_admits_reference", "slot_mapping_reference", "step_tokens_reference"]
 
 
@@ -411,25 +411,22 @@ def _mla_cases() -> list[_Case]:
     return cases
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Non-causal softmax attention of one head (chapter 06's recurrence is checked against it):
-    ``q [n, d]``, ``k [m, d]``, ``v [m, dv]`` fp32 -> ``[n, dv]`` fp32, computed in fp64."""
-    p = (q.double() @ k.double().T * scale).softmax(dim=-1)
-    return (p @ v.double()).float()
-
-
 def _attention_cases() -> list[_Case]:
+    """``(q [n, h, d], k [start + n, h, d], v [start + n, h, dv], start, scale)``: causal_attention's arguments."""
     cases = []
-    for i, (n, m, d) in enumerate([(1, 1, 8), (4, 16, 8), (3, 37, 16), (8, 130, 64)]):
+    for i, (n, h, start, d, dv) in enumerate([(1, 1, 0, 8, 8), (4, 2, 12, 8, 8), (37, 2, 0, 16, 8),
+                                             (8, 4, 122, 64, 32)]):
         g = _gen(90 + i)
-        cases.append(_Case(f"{_n(n, 'query', 'queries')} over {_n(m, 'key')}, head dim {d}",
-                           (torch.randn(n, d, generator=g), torch.randn(m, d, generator=g),
-                            torch.randn(m, d, generator=g), d ** -0.5)))
+        m = start + n
+        cases.append(_Case(f"{_n(n, 'query', 'queries')} after {_n(start, 'cached token')}, {_n(h, 'head')}, "
+                           f"head dim {d}",
+                           (torch.randn(n, h, d, generator=g), torch.randn(m, h, d, generator=g),
+                            torch.randn(m, h, dv, generator=g), start, d ** -0.5)))
     g = _gen(99)
-    big = torch.randn(2, 40, 8, generator=g)
-    big[1, 35] = 60.0  # one key far above the rest, late: the running maximum must rescale what came before
+    k = torch.randn(40, 1, 8, generator=g)
+    k[35] = 3.0  # one key far above the rest, late: the running maximum must rescale what came before
     cases.append(_Case("a late key with a much larger score (the running max changes)",
-                       (big[0, :2], big[1], torch.randn(40, 8, generator=g), 1.0)))
+                       (torch.rand(2, 1, 8, generator=g) + 1, k, torch.randn(40, 1, 8, generator=g), 38, 1.0)))
     return cases
 
 
@@ -530,7 +527,8 @@ EXERCISES: dict[str, _Exercise] = {e.name: e for e in [
     _Exercise("rms_norm", "03", norm.rms_norm_reference, _rms_norm_cases, engine="dsv2_lib.ops.norm:rms_norm_reference"),
     _Exercise("mla_projections", "05", _mla_projections_reference, _mla_cases,
               fp32_tolerance=(1e-5, 1e-5)),  # two chained fp32 products over K up to 512, summed in any order
-    _Exercise("online_attention", "06", attention_reference, _attention_cases),
+    _Exercise("online_attention", "06", attention.causal_attention, _attention_cases,
+              engine="dsv2_lib.ops.attention:causal_attention"),
     _Exercise("silu_and_mul", "07", activation.silu_and_mul_reference, _silu_cases,
               engine="dsv2_lib.ops.activation:silu_and_mul_reference"),
     _Exercise("absorbed_query", "10", mla_absorb.absorbed_query_reference, _absorb_cases,
