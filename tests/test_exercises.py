@@ -183,15 +183,12 @@ def test_a_planted_wrong_answer_fails_with_a_useful_message(name):
 
 
 def test_the_skeleton_and_a_crash_are_reported_in_words():
-    def skeleton(x, weight, eps):
-        raise NotImplementedError
-
-    assert grade("rms_norm", skeleton) == (False, "✗ rms_norm: not implemented yet (the skeleton still raises "
+    assert grade("rms_norm", _skeleton_rms) == (False, "✗ rms_norm: not implemented yet (the skeleton still raises "
                                                   "NotImplementedError)")
     passed, line = grade("rms_norm", lambda x, weight, eps: torch.cat([x, weight]))
     assert not passed and "case 1 of" in line and "raised RuntimeError" in line, line
     with pytest.raises(KeyError, match="no exercise 'norm'; the exercises are"):
-        grade("norm", skeleton)
+        grade("norm", _skeleton_rms)
 
 
 @pytest.mark.parametrize("name", sorted(n for n, e in EXERCISES.items() if e.engine))
