@@ -248,3 +248,20 @@ def test_a_float_may_differ_from_the_reference_by_roundings_only():
     assert _difference(0.1 + 0.2 + 0.3, 0.3 + 0.2 + 0.1, exact=False) is None
     assert "expected 4900000000.0, got 4900004900.0 (rtol 1e-12)" in _difference(4.9000049e9, 4.9e9, exact=False)
     assert _difference(0.1 + 0.2 + 0.3, 0.3 + 0.2 + 0.1, exact=True) is not None
+
+
+def test_a_masked_element_must_stay_masked():
+    """Where the reference has -inf, a finite value is an error however loose the tolerance (|g - inf| <= inf)."""
+    from dsv2_lib.lessons.exercises import _difference
+    want = torch.tensor([0.5, float("-inf"), float("inf")])
+    assert _difference(want.clone(), want, exact=False) is None
+    assert "result[1]: expected -inf, got -0.25" in _difference(torch.tensor([0.5, -0.25, float("inf")]), want, exact=False)
+    assert "result[2]: expected inf, got -inf" in _difference(torch.tensor([0.5, float("-inf"), float("-inf")]), want,
+                                                               exact=False)
+    assert "result[0]: expected 0.5, got -inf" in _difference(torch.tensor([float("-inf")] * 3), want, exact=False)
+
+
+def test_the_filter_logits_grader_needs_the_tokens_removed():
+    """Dividing by the temperature alone keeps every token: the cases with top-k or top-p must fail it."""
+    passed, line = grade("filter_logits", lambda logits, params: logits.float() / params.temperature)
+    assert not passed and "expected -inf, got" in line, line
