@@ -43,6 +43,18 @@ def test_show_source_class_module_and_wrapped():
     assert show_source(cached).text.lstrip().startswith("@functools.lru_cache")
 
 
+def test_show_source_lines_cut_a_stretch():
+    """``lines`` keeps the lines from the first marker up to (not including) the next stop marker."""
+    fn = dsv2_lib.tools.roofline.expected_distinct_experts
+    rows = inspect.getsource(fn).splitlines(keepends=True)
+    body = show_source(fn, lines=('"""', None)).text  # from the docstring's first line to the end
+    assert body == "".join(rows[1:]) and body.startswith(rows[1])
+    one = show_source(fn, lines=("def expected_distinct_experts", '"""')).text
+    assert one == rows[0]
+    with pytest.raises(KeyError, match="roofline.py · expected_distinct_experts has no line with 'nowhere'"):
+        show_source(fn, lines=("nowhere", None))
+
+
 def test_show_source_rejects_builtins():
     with pytest.raises(TypeError, match="no Python source"):
         show_source(len)

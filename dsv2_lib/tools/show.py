@@ -55,11 +55,12 @@ class Listing:
         return f'<div class="dsv2-listing">{caption}{code}</div>'
 
 
-def show_source(obj) -> Listing:
+def show_source(obj, lines: tuple[str, str | None] | None = None) -> Listing:
     """The source of a function, class, method or module as a :class:`Listing`.
 
     Decorated functions are unwrapped (``inspect.unwrap``), so the code shown is the
-    code that runs. Raises ``TypeError`` for objects without Python source.
+    code that runs. Raises ``TypeError`` for objects without Python source. ``lines = (first, stop)``
+    narrows it as :func:`show_kernel` does (say, a launcher's launch without its argument checks).
     """
     obj = inspect.unwrap(obj)
     try:
@@ -75,6 +76,8 @@ def show_source(obj) -> Listing:
         init = file.name == "__init__.py"
         where = module.__name__.replace(".", "/") + ("/__init__.py" if init else ".py")
     origin = where if inspect.ismodule(obj) else f"{where} · {name}"
+    if lines is not None:
+        text = _stretch(text, *lines, where=origin)
     return Listing(text, "python", origin)
 
 
@@ -118,7 +121,7 @@ def _stretch(text: str, first: str, stop: str | None, where: str) -> str:
         a = next(i for i, row in enumerate(rows) if first in row)
         b = len(rows) if stop is None else next(i for i in range(a + 1, len(rows)) if stop in rows[i])
     except StopIteration:
-        raise KeyError(f"show_kernel: {where} has no line with {first!r} followed by one with {stop!r}") from None
+        raise KeyError(f"{where} has no line with {first!r} followed by one with {stop!r}") from None
     return "".join(rows[a:b])
 
 
