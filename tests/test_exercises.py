@@ -8,7 +8,7 @@ import torch
 from notebook_solutions import solutions
 
 from dsv2_lib.engine import sampling
-from dsv2_lib.lessons.exercises import EXERCISES, check, generate_with, grade, swapped
+from dsv2_lib.lessons.exercises import EXERCISES, _neox_rope, check, generate_with, grade, swapped
 from dsv2_lib.ops import moe_routing, norm, rope
 from dsv2_lib.ops.mla_decode import balanced_segments
 from dsv2_lib.tools import roofline
@@ -39,13 +39,6 @@ def _no_weight(x, weight, eps):
 
 def _skeleton_rms(x, weight, eps):
     raise NotImplementedError
-
-
-def _halves_rope(q_pe, k_pe, positions, cache):  # rotates (x[i], x[i + d/2]): the NeoX pairing, not DeepSeek's
-    cos, sin = cache[positions].chunk(2, dim=-1)
-    for x, c, s in ((q_pe, cos[:, None], sin[:, None]), (k_pe, cos, sin)):
-        a, b = x.float().chunk(2, dim=-1)
-        x.copy_(torch.cat((a * c - b * s, a * s + b * c), dim=-1))
 
 
 def _softmax_after_topk(logits, cfg):  # picks by logit, then softmax over the k picked only
@@ -161,7 +154,7 @@ PLANTED = {"decode_bytes": (_reads_every_expert, "expected"), "read_header": (_n
            "mla_projections": (_latent_not_normalised, "the result[2]"), "online_attention": (_no_rescale, "expected"),
            "silu_and_mul": (_swapped_halves, "expected"), "absorbed_query": (_no_rope_part, "shape"),
            "slot_mapping": (_ignores_the_table, "expected"), "reserve_admits": (_reserves_one_row_too_many, "expected"),
-           "rms_norm": (_no_weight, "the result"), "rope": (_halves_rope, "the result"),
+           "rms_norm": (_no_weight, "the result"), "rope": (_neox_rope, "the NeoX pairing"),
            "route": (_softmax_after_topk, "the result[0]"), "moe_align": (_unpadded_align, "shape"),
            "filter_logits": (_top_p_inclusive, "expected"), "balanced_segments": (_slot_is_the_worker, "expected"),
            "step_tokens": (_prompts_before_decodes, "expected")}
@@ -225,7 +218,7 @@ def test_swapped_replaces_the_engine_function_and_restores_it():
     with pytest.raises(ValueError, match="no engine function"):
         with swapped("moe_align", _unpadded_align):
             pass
-    assert rope.apply_rope_reference_ is not _halves_rope
+    assert rope.apply_rope_reference_ is not _neox_rope
 
 
 def test_a_list_of_the_wrong_length_names_the_missing_or_extra_item():
@@ -259,6 +252,24 @@ def test_a_masked_element_must_stay_masked():
     assert "result[2]: expected inf, got -inf" in _difference(torch.tensor([0.5, float("-inf"), float("-inf")]), want,
                                                                exact=False)
     assert "result[0]: expected 0.5, got -inf" in _difference(torch.tensor([float("-inf")] * 3), want, exact=False)
+
+
+def test_rebinding_instead_of_writing_in_place_is_named():
+    """x = rotated(x) leaves the caller's tensors as they were: the grader says so instead of listing values."""
+    def rebinds(q_pe, k_pe, positions, cache):
+        q_pe = q_pe * 2  # a new tensor: the caller's q_pe is untouched
+    passed, line = grade("rope", rebinds)
+    assert not passed and "unchanged: assign into them" in line, line
+
+
+def test_rounding_every_step_to_16_bits_fails_the_silu_grader():
+    """silu(gate) * up in bf16 rounds twice; the reference rounds once from fp32: within a tolerance, but not
+    the same bits, and the chapter is about the difference."""
+    def twice(x):
+        i = x.shape[-1] // 2
+        return torch.nn.functional.silu(x[..., :i]) * x[..., i:]
+    passed, line = grade("silu_and_mul", twice)
+    assert not passed and "round once at the end" in line, line
 
 
 def test_the_filter_logits_grader_needs_the_tokens_removed():

@@ -62,6 +62,8 @@ class _Exercise:
     engine: str | None = None
     exact: bool = False  # integer outputs, or results that must match bit for bit
     fp32_tolerance: tuple[float, float] | None = None  # (rtol, atol) for fp32 results, where sums run long
+    rounded_once: bool = False  # a 16-bit result computed in fp32 and rounded once: its bits, not a tolerance
+    mistakes: tuple[tuple[Callable, str], ...] = ()  # (a common wrong answer, its name): said when the reader's matches
 
 
 # ---- tolerances ------------------------------------------------------------------------------------
@@ -154,13 +156,41 @@ def grade(name: str, fn: Callable) -> tuple[bool, str]:
         if isinstance(want, Exception):
             return False, (f"✗ {name}, case {i} of {len(cases)} ({case.what}): returned a result, but this input "
                            f"must be refused (the reference raises {type(want).__name__}: {want})")
+        where = f"✗ {name}, case {i} of {len(cases)} ({case.what})"
         if ex.in_place:
             got = tuple(my_args[j] for j in ex.in_place)
             want = tuple(ref_args[j] for j in ex.in_place)
-        problem = _difference(got, want, ex.exact, fp32=ex.fp32_tolerance)
+            if all(torch.equal(g, case.args[j]) for g, j in zip(got, ex.in_place)):
+                return False, (f"{where}: the arguments to write in place are unchanged: assign into them "
+                               f"(x[...] = ... or x.copy_(...)); binding a name to a new tensor changes nothing")
+        problem = _difference(got, want, ex.exact, fp32=ex.fp32_tolerance) or (ex.rounded_once and _rounded_twice(got, want))
         if problem:
-            return False, f"✗ {name}, case {i} of {len(cases)} ({case.what}): {problem}"
+            mistake = next((what for wrong, what in ex.mistakes if _gives(wrong, case, ex, got)), None)
+            return False, f"{where}: {problem}" + (f" ({mistake})" if mistake else "")
     return True, f"✓ {name}: all {len(cases)} cases match the reference"
+
+
+def _rounded_twice(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """``None`` unless a 16-bit result that the reference rounds once from fp32 differs from it in more than one
+    element in 1,000 (at least one may: an fp32 sum in another order can tip a rounding), which is what
+    rounding every intermediate to 16 bits does."""
+    if want.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    n = int((got != want).sum())
+    if n <= max(1, want.numel() // 1000):
+        return None
+    dtype = str(want.dtype).removeprefix("torch.")
+    return (f"{n} of {want.numel()} {dtype} outputs are off in their last bit: rounded to {dtype} step by step? "
+            f"Compute in fp32 and round once at the end")
+
+
+def _gives(wrong: Callable, case: _Case, ex: _Exercise, got) -> bool:
+    """Whether the common wrong answer ``wrong`` gives the reader's result on ``case``."""
+    args = _clone(case.args)
+    result = wrong(*args, **case.kwargs)
+    if ex.in_place:
+        result = tuple(args[j] for j in ex.in_place)
+    return _difference(got, result, ex.exact, fp32=ex.fp32_tolerance) is None
 
 
 def check(name: str, fn: Callable) -> None:
@@ -241,6 +271,15 @@ def _rms_norm_cases() -> list[_Case]:
     x[1] = 1e4
     cases.append(_Case("a row of zeros and a row of 1e4 (eps decides the first)", (x, torch.ones(16), 1e-6)))
     return cases
+
+
+def _neox_rope(q_pe: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> None:
+    """Chapter 04's rotation with the NeoX pairing, ``(x[i], x[i + d/2])`` instead of DeepSeek's ``(x[2i], x[2i+1])``:
+    the mistake ``check`` names (and the tests plant)."""
+    cos, sin = cache[positions].chunk(2, dim=-1)
+    for x, c, s in ((q_pe, cos[:, None], sin[:, None]), (k_pe, cos, sin)):
+        a, b = x.float().chunk(2, dim=-1)
+        x.copy_(torch.cat((a * c - b * s, a * s + b * c), dim=-1))
 
 
 def _rope_cases() -> list[_Case]:
@@ -529,14 +568,15 @@ EXERCISES: dict[str, _Exercise] = {e.name: e for e in [
               fp32_tolerance=(1e-5, 1e-5)),  # two chained fp32 products over K up to 512, summed in any order
     _Exercise("online_attention", "06", attention.causal_attention, _attention_cases,
               engine="dsv2_lib.ops.attention:causal_attention"),
-    _Exercise("silu_and_mul", "07", activation.silu_and_mul_reference, _silu_cases,
+    _Exercise("silu_and_mul", "07", activation.silu_and_mul_reference, _silu_cases, rounded_once=True,
               engine="dsv2_lib.ops.activation:silu_and_mul_reference"),
     _Exercise("absorbed_query", "10", mla_absorb.absorbed_query_reference, _absorb_cases,
               engine="dsv2_lib.ops.mla_absorb:absorbed_query_reference"),
     _Exercise("reserve_admits", "11", reserve_admits_reference, _admit_cases),
     _Exercise("slot_mapping", "12", slot_mapping_reference, _slot_cases, exact=True),
     _Exercise("rope", "04", rope.apply_rope_reference_, _rope_cases, in_place=(0, 1),
-             engine="dsv2_lib.ops.rope:apply_rope_reference_"),
+              mistakes=((_neox_rope, "the NeoX pairing (x[i], x[i + d/2]); DeepSeek rotates (x[2i], x[2i+1])"),),
+              engine="dsv2_lib.ops.rope:apply_rope_reference_"),
     _Exercise("route", "08", moe_routing.route, _route_cases, engine="dsv2_lib.ops.moe_routing:route"),
     _Exercise("moe_align", "08", moe_routing.moe_align_reference, _moe_align_cases, exact=True),
     _Exercise("filter_logits", "09", sampling.filter_logits, _filter_cases),
