@@ -272,6 +272,14 @@ def test_rounding_every_step_to_16_bits_fails_the_silu_grader():
     assert not passed and "round once at the end" in line, line
 
 
+def test_the_slot_mapping_grader_refuses_a_negative_position():
+    """Python's table[-1] would quietly give the last block's row: the reader's function must refuse it."""
+    def naive(block_table, positions, block_size):  # past the table: IndexError; but -1 wraps around
+        return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+    passed, line = grade("slot_mapping", naive)
+    assert not passed and "negative position" in line and "must be refused" in line, line
+
+
 def test_the_filter_logits_grader_needs_the_tokens_removed():
     """Dividing by the temperature alone keeps every token: the cases with top-k or top-p must fail it."""
     passed, line = grade("filter_logits", lambda logits, params: logits.float() / params.temperature)

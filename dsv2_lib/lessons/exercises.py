@@ -525,7 +525,8 @@ def _slot_cases() -> list[_Case]:
     return [_Case("one block, block size 16", ([7], [0, 1, 15], 16)),
             _Case("three scattered blocks", ([4, 0, 9], [0, 15, 16, 31, 32, 40], 16)),
             _Case("block size 1", ([3, 1, 2], [0, 1, 2], 1)),
-            _Case("a position past the last block (must be refused)", ([2, 5], [31, 32], 16))]
+            _Case("a position past the last block (must be refused)", ([2, 5], [31, 32], 16)),
+            _Case("a negative position (must be refused: table[-1] is the last block)", ([2, 5], [3, -1], 16))]
 
 
 def step_tokens_reference(budget: int, decoding: int, partial: int, waiting: list[int]) -> tuple[int, int, list[int]]:
