@@ -280,6 +280,23 @@ def test_the_slot_mapping_grader_refuses_a_negative_position():
     assert not passed and "negative position" in line and "must be refused" in line, line
 
 
+def test_the_rms_norm_grader_needs_transformers_rounding_order_and_eps_inside_the_root():
+    """Scaling by the weight in fp32 and rounding once is within a bf16 tolerance, but not transformers' bits;
+    eps added outside the square root is invisible until the mean square is near eps."""
+    def round_once(x, weight, eps):
+        xf = x.float()
+        return (weight.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def eps_outside(x, weight, eps):
+        xf = x.float()
+        return weight * (xf / (xf.pow(2).mean(-1, keepdim=True).sqrt() + eps)).to(x.dtype)
+
+    passed, line = grade("rms_norm", round_once)
+    assert not passed and "then multiply by the weight" in line, line
+    passed, line = grade("rms_norm", eps_outside)
+    assert not passed and "mean square near eps" in line, line
+
+
 def test_the_filter_logits_grader_needs_the_tokens_removed():
     """Dividing by the temperature alone keeps every token: the cases with top-k or top-p must fail it."""
     passed, line = grade("filter_logits", lambda logits, params: logits.float() / params.temperature)
