@@ -1,6 +1,7 @@
 """The "Build it" exercises cannot rot: each chapter's hidden solution passes its autograder, a planted
 wrong answer fails with a message that names the case and what differs, and a swapped-in piece really
 runs inside the engine."""
+import math
 import re
 
 import pytest
@@ -295,6 +296,37 @@ def test_the_rms_norm_grader_needs_transformers_rounding_order_and_eps_inside_th
     assert not passed and "then multiply by the weight" in line, line
     passed, line = grade("rms_norm", eps_outside)
     assert not passed and "mean square near eps" in line, line
+
+
+def test_the_read_header_grader_needs_the_offsets_checked_against_the_data():
+    """A parser that checks the header length, dtypes, byte counts and overlaps, but trusts the offsets to
+    lie inside the data and to cover it, accepts a truncated file: the grader must refuse it."""
+    import json
+    import struct
+    from pathlib import Path
+
+    from dsv2_lib.core.safetensors_io import DTYPE_SIZES, TensorInfo
+
+    def trusting(path):
+        raw = Path(path).read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        if 8 + n > len(raw):
+            raise ValueError("the header runs past the end of the file")
+        header, infos = json.loads(raw[8:8 + n]), {}
+        metadata = header.pop("__metadata__", {})
+        for name, entry in header.items():
+            if entry["dtype"] not in DTYPE_SIZES:
+                raise ValueError(f"{name}: unknown dtype")
+            start, end = entry["data_offsets"]
+            if end - start != math.prod(entry["shape"]) * DTYPE_SIZES[entry["dtype"]]:
+                raise ValueError(f"{name}: byte count")
+            if any(start < other.end and other.start < end for other in infos.values()):
+                raise ValueError(f"{name}: overlap")
+            infos[name] = TensorInfo(entry["dtype"], tuple(entry["shape"]), start, end)
+        return n, metadata, infos
+
+    passed, line = grade("read_header", trusting)
+    assert not passed and "a truncated file (must be refused)" in line, line
 
 
 def test_the_filter_logits_grader_needs_the_tokens_removed():

@@ -403,6 +403,12 @@ def _header_cases() -> list[_Case]:
               (file("short.safetensors", good, bytes(28), length=10_000),)),
         _Case("a tensor's bytes do not match its shape and dtype (must be refused)", (file("size.safetensors", {
             "a": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 10]}}, bytes(10)),)),
+        _Case("a tensor ends past the data section: a truncated file (must be refused)",
+              (file("past.safetensors", good, bytes(20)),)),
+        _Case("four bytes no tensor claims, between two tensors (must be refused)", (file("gap.safetensors", {
+            "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "b": {"dtype": "F32", "shape": [2], "data_offsets": [12, 20]}}, bytes(20)),)),
+        _Case("bytes after the last tensor (must be refused)", (file("trailing.safetensors", good, bytes(32)),)),
         _Case("two tensors overlap (must be refused)", (file("overlap.safetensors", {
             "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
             "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12)),)),

@@ -40,8 +40,9 @@ def write_random_checkpoint(
     """Write ``config.json`` and random weights to ``directory``.
 
     Matrices are ``N(0, std²)``, norm scales ``1 + N(0, 0.1²)`` (not all ones, so a misplaced norm
-    weight shows). Tensors are drawn in name order from one generator seeded with ``seed`` on
-    ``device``, so the same arguments give the same bytes. With ``shard_bytes`` the weights are split
+    weight shows). Tensors are drawn in :func:`hub_tensor_shapes` order (the model's parameters, each
+    expanded to its Hub tensors) from one generator seeded with ``seed`` on ``device``, so the same
+    arguments give the same bytes. With ``shard_bytes`` the weights are split
     into ``model-0000i-of-0000n.safetensors`` files plus an index, as large checkpoints are.
     """
     directory = Path(directory)
