@@ -9,6 +9,7 @@ import torch
 from notebook_solutions import solutions
 
 from dsv2_lib.engine import sampling
+from dsv2_lib.engine.block_manager import block_hash
 from dsv2_lib.lessons.exercises import EXERCISES, _neox_rope, check, generate_with, grade, swapped
 from dsv2_lib.ops import moe_routing, norm, rope
 from dsv2_lib.ops.mla_decode import balanced_segments
@@ -60,6 +61,16 @@ def _top_p_inclusive(logits, params):  # drops the token that crosses top_p inst
         drop = sorted_logits.softmax(-1).cumsum(-1) > params.top_p
         logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
     return logits
+
+
+def _unchained_prefix(cache, prompt, block_size):  # names each block alone: a block's tokens anywhere would match
+    hits = []
+    for i in range((len(prompt) - 1) // block_size):
+        name = block_hash(None, prompt[i * block_size:(i + 1) * block_size])
+        if name not in cache:
+            break
+        hits.append((name, cache[name]))
+    return hits
 
 
 def _slot_is_the_worker(per, first, workers):  # two partials of one worker would share a slot
@@ -154,7 +165,7 @@ def _reads_every_expert(cfg, batch, context, bytes_per_value=2):  # all routed e
 PLANTED = {"decode_bytes": (_reads_every_expert, "expected"), "read_header": (_no_overlap_check, "must be refused"), "embedding": (_wrapping_embedding, "must be refused"),
            "mla_projections": (_latent_not_normalised, "the result[2]"), "online_attention": (_no_rescale, "expected"),
            "silu_and_mul": (_swapped_halves, "expected"), "absorbed_query": (_no_rope_part, "shape"),
-           "slot_mapping": (_ignores_the_table, "expected"), "reserve_admits": (_reserves_one_row_too_many, "expected"),
+           "slot_mapping": (_ignores_the_table, "expected"), "prefix_hits": (_unchained_prefix, "expected"), "reserve_admits": (_reserves_one_row_too_many, "expected"),
            "rms_norm": (_no_weight, "the result"), "rope": (_neox_rope, "the NeoX pairing"),
            "route": (_softmax_after_topk, "the result[0]"), "moe_align": (_unpadded_align, "shape"),
            "filter_logits": (_top_p_inclusive, "expected"), "balanced_segments": (_slot_is_the_worker, "expected"),

@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +47,21 @@ def block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     request another prompt's cache rows.
     """
     return hashlib.sha256((parent or b"") + array("q", token_ids).tobytes()).digest()
+
+
+def cached_prefix(cache: Mapping[bytes, int], prompt: Sequence[int], block_size: int) -> list[tuple[bytes, int]]:
+    """(name, block) of each full block of ``prompt[:-1]`` found in ``cache`` (name -> block), from the
+    first: block i's name chains :func:`block_hash` over block i - 1's, and the walk stops at the first name
+    not cached. The last prompt token never counts: its logits must be computed."""
+    hits, parent = [], None
+    for i in range((len(prompt) - 1) // block_size):
+        name = block_hash(parent, prompt[i * block_size: (i + 1) * block_size])
+        block = cache.get(name)
+        if block is None:
+            break
+        hits.append((name, block))
+        parent = name
+    return hits
 
 
 @dataclass(frozen=True)
@@ -252,18 +267,8 @@ class BlockManager:
 
     # ---- internals -----------------------------------------------------------------------------
     def _match(self, prompt: Sequence[int]) -> list[tuple[bytes, int]]:
-        """(name, block) of the cached full blocks that ``prompt[:-1]`` begins with."""
-        if not self.prefix_caching:
-            return []
-        hits, parent, bs = [], None, self.block_size
-        for i in range((len(prompt) - 1) // bs):
-            name = block_hash(parent, prompt[i * bs: (i + 1) * bs])
-            block = self._cache.get(name)
-            if block is None:
-                break
-            hits.append((name, block))
-            parent = name
-        return hits
+        """(name, block) of the cached full blocks that ``prompt[:-1]`` begins with (:func:`cached_prefix`)."""
+        return cached_prefix(self._cache, prompt, self.block_size) if self.prefix_caching else []
 
     def _take_free_block(self) -> int:
         """A free block for new rows: an unnamed one, else the least recently released cached one."""

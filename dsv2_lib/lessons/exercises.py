@@ -30,7 +30,7 @@ import torch
 
 from dsv2_lib.core import safetensors_io
 from dsv2_lib.core.config import DEEPSEEK_V2_LITE, TINY
-from dsv2_lib.engine import sampling
+from dsv2_lib.engine import block_manager, sampling
 from dsv2_lib.engine.sampling import SamplingParams
 from dsv2_lib.ops import activation, attention, embedding, mla_absorb, mla_decode, moe_routing, norm, rope
 from dsv2_lib.tools import roofline
@@ -541,6 +541,26 @@ def slot_mapping_reference(block_table: list[int], positions: list[int], block_s
     return slots
 
 
+def _prefix_cases() -> list[_Case]:
+    """Chapter 12's prefix-cache lookup, blocks of 4: caches (name -> block) as the block manager fills them."""
+    bs, shared = 4, list(range(100, 112))  # three full blocks
+    names, parent = [], None
+    for i in range(3):
+        parent = block_manager.block_hash(parent, shared[i * bs:(i + 1) * bs])
+        names.append(parent)
+    cached = dict(zip(names, (7, 2, 9)))
+    return [_Case("an empty cache", ({}, shared + [1, 2], bs)),
+            _Case("three cached blocks, then the prompt's own tokens", (cached, shared + [1, 2, 3], bs)),
+            _Case("a prompt of exactly three cached blocks (its last token's logits must be computed)",
+                  (cached, shared, bs)),
+            _Case("the second block's tokens differ (the walk stops at the first miss)",
+                  (cached, shared[:4] + [0, 0, 0, 0] + shared[8:] + [1], bs)),
+            _Case("block 1 evicted, blocks 0 and 2 still cached (nothing after a miss counts)",
+                  ({names[0]: 7, names[2]: 9}, shared + [1], bs)),
+            _Case("block 1's tokens cached as the start of another prompt (names are chained)",
+                  ({block_manager.block_hash(None, shared[4:8]): 5}, shared[4:8] + shared + [1], bs))]
+
+
 def _slot_cases() -> list[_Case]:
     return [_Case("one block, block size 16", ([7], [0, 1, 15], 16)),
             _Case("three scattered blocks", ([4, 0, 9], [0, 15, 16, 31, 32, 40], 16)),
@@ -598,6 +618,8 @@ EXERCISES: dict[str, _Exercise] = {e.name: e for e in [
               engine="dsv2_lib.ops.mla_absorb:absorbed_query_reference"),
     _Exercise("reserve_admits", "11", reserve_admits_reference, _admit_cases),
     _Exercise("slot_mapping", "12", slot_mapping_reference, _slot_cases, exact=True),
+    _Exercise("prefix_hits", "12", block_manager.cached_prefix, _prefix_cases, exact=True,
+              engine="dsv2_lib.engine.block_manager:cached_prefix"),
     _Exercise("rope", "04", rope.apply_rope_reference_, _rope_cases, in_place=(0, 1),
               mistakes=((_neox_rope, "the NeoX pairing (x[i], x[i + d/2]); DeepSeek rotates (x[2i], x[2i+1])"),),
               engine="dsv2_lib.ops.rope:apply_rope_reference_"),
