@@ -340,6 +340,22 @@ def test_the_read_header_grader_needs_the_offsets_checked_against_the_data():
     assert not passed and "a truncated file (must be refused)" in line, line
 
 
+def test_a_kernel_that_skips_an_element_or_stores_past_the_end_is_named():
+    """The kernel exercises fill out (and a guard after it) with NaN: what a kernel left unwritten or wrote
+    past the end is named, instead of a comparison with whatever memory held."""
+    from dsv2_lib.lessons.kernel_exercises import GUARD, _nan_out, _never_stored, _stored_outside
+
+    out, guard = _nan_out((2, 3), "cpu")
+    assert out.shape == (2, 3) and guard.shape == (GUARD,) and out.isnan().all() and guard.isnan().all()
+    want = torch.arange(6.0).view(2, 3)
+    out.copy_(want)
+    assert _never_stored(out, want) is None and _stored_outside(guard) is None
+    out[1, 2] = float("nan")
+    assert "out[1, 2] was never stored (1 of 6 elements" in _never_stored(out, want)
+    guard[3] = 1.0
+    assert "stored 1 value(s) past the end of out, the first 3 floats after it" in _stored_outside(guard)
+
+
 def test_the_filter_logits_grader_needs_the_tokens_removed():
     """Dividing by the temperature alone keeps every token: the cases with top-k or top-p must fail it."""
     passed, line = grade("filter_logits", lambda logits, params: logits.float() / params.temperature)

@@ -59,6 +59,16 @@ def test_a_wrong_kernel_fails_with_the_case_and_the_element(name, old, new, says
 
 
 @gpu
+def test_an_element_no_thread_stores_is_named():
+    """The launch fills out with NaN: the last element, skipped by a bound one too tight, is reported as never
+    stored, not compared with whatever the memory held (nothing is read or written out of bounds)."""
+    source = wrong("silu_and_mul_kernel", "if (i >= (long long)rows * inter) return;",
+                   "if (i >= (long long)rows * inter - 1) return;")
+    passed, line = grade_kernel("silu_and_mul_kernel", source)
+    assert passed is False and "out[0, 0] was never stored (1 of 1 elements" in line, line
+
+
+@gpu
 def test_a_kernel_of_another_name_is_named_in_the_answer():
     passed, line = grade_kernel("rms_norm_kernel", wrong("rms_norm_kernel", "void rms_norm(", "void my_norm("))
     assert passed is False and "no kernel named 'rms_norm'" in line, line

@@ -19,6 +19,7 @@ as the signature below does, and :func:`~dsv2_lib.core.kernels.bind` puts them i
 """
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import subprocess
@@ -37,6 +38,7 @@ from dsv2_lib.ops import activation, norm
 THREADS = 256  # threads per block of every exercise's launch
 RMS_NORM_PARAMS = ("x", "weight", "out", "cols", "eps")  # the exercises' signatures (module doc)
 SILU_PARAMS = ("x", "out", "rows", "inter")
+GUARD = 1024  # NaN floats after each launch's ``out``: a store past its end lands there
 
 
 class KernelCompileError(ValueError):
@@ -46,7 +48,7 @@ class KernelCompileError(ValueError):
 @dataclass(frozen=True)
 class _KernelExercise:
     """``kernel``: the ``extern "C"`` name to launch; ``launch(fn, *args)`` runs it on CUDA copies of a
-    case's arguments and returns the result on the CPU."""
+    case's arguments and returns the result and the guard after it (:func:`_nan_out`) on the CPU."""
 
     chapter: str
     kernel: str
@@ -63,13 +65,21 @@ def _rms_norm_cases() -> list[_Case]:
                                          (torch.zeros(2, 64), torch.randn(64, generator=g), 1e-6))]
 
 
+def _nan_out(shape: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` of ``shape`` and the :data:`GUARD` floats after it, in one buffer of NaN: after the launch an
+    element still NaN was never stored, and a guard element that is not NaN was stored past the end."""
+    n = math.prod(shape)
+    buf = torch.full((n + GUARD,), float("nan"), device=device)
+    return buf[:n].view(shape), buf[n:]
+
+
 def _launch_rms_norm(fn, x, weight, eps):
     x, weight = x.cuda().contiguous(), weight.cuda().contiguous()
-    out = torch.empty_like(x)
+    out, guard = _nan_out(tuple(x.shape), x.device)
     args = dict(x=kernels.ptr(x), weight=kernels.ptr(weight), out=kernels.ptr(out), cols=np.int32(x.shape[1]),
                 eps=np.float32(eps))
     kernels.launch(fn, (x.shape[0],), (THREADS,), kernels.bind(RMS_NORM_PARAMS, args, "rms_norm", "the exercise"))
-    return out.cpu()
+    return out.cpu(), guard.cpu()
 
 
 def _silu_cases() -> list[_Case]:
@@ -81,11 +91,11 @@ def _silu_cases() -> list[_Case]:
 def _launch_silu(fn, x):
     x = x.cuda().contiguous()
     rows, inter = x.shape[0], x.shape[1] // 2
-    out = torch.empty(rows, inter, device=x.device)
+    out, guard = _nan_out((rows, inter), x.device)
     args = dict(x=kernels.ptr(x), out=kernels.ptr(out), rows=np.int32(rows), inter=np.int32(inter))
     kernels.launch(fn, (-(-rows * inter // THREADS),), (THREADS,), kernels.bind(SILU_PARAMS, args, "silu_and_mul",
                                                                                 "the exercise"))
-    return out.cpu()
+    return out.cpu(), guard.cpu()
 
 
 KERNEL_EXERCISES = {
@@ -162,12 +172,31 @@ def grade_kernel(name: str, source: str) -> tuple[bool | None, str]:
     cases = ex.cases()
     for i, case in enumerate(cases, 1):
         want = ex.reference(*case.args, **case.kwargs)
-        got = ex.launch(fn, *case.args, **case.kwargs)
+        got, guard = ex.launch(fn, *case.args, **case.kwargs)
         torch.cuda.synchronize()
-        problem = _difference(got, want, exact=False)
+        problem = _stored_outside(guard) or _never_stored(got, want) or _difference(got, want, exact=False)
         if problem:
             return False, f"✗ {name}, case {i} of {len(cases)} ({case.what}): {problem}"
     return True, f"✓ {name}: all {len(cases)} cases match the reference on {torch.cuda.get_device_name()}"
+
+
+def _stored_outside(guard: torch.Tensor) -> str | None:
+    """What a store past the end of ``out`` left in the guard after it, in words (``None``: nothing)."""
+    hit = ~torch.isnan(guard)
+    if not bool(hit.any()):
+        return None
+    return (f"stored {int(hit.sum())} value(s) past the end of out, the first {int(hit.nonzero()[0])} floats after "
+            f"it: check the index against the size before every store")
+
+
+def _never_stored(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """The elements of ``out`` still NaN (the launch fills it with NaN) where the reference has a number."""
+    missing = torch.isnan(got) & ~torch.isnan(want)
+    if not bool(missing.any()):
+        return None
+    idx = [int(i) for i in missing.nonzero()[0]]
+    return (f"out{idx} was never stored ({int(missing.sum())} of {want.numel()} elements still hold the NaN the "
+            f"launch put there): does every element have a thread that writes it?")
 
 
 def check_kernel(name: str, source: str) -> None:
