@@ -353,7 +353,7 @@ def test_a_kernel_that_skips_an_element_or_stores_past_the_end_is_named():
     out[1, 2] = float("nan")
     assert "out[1, 2] was never stored (1 of 6 elements" in _never_stored(out, want)
     guard[3] = 1.0
-    assert "stored 1 value(s) past the end of out, the first 3 floats after it" in _stored_outside(guard)
+    assert "stored 1 value(s) past the end of out, the first 4 float(s) past it" in _stored_outside(guard)
 
 
 def test_the_filter_logits_grader_needs_the_tokens_removed():

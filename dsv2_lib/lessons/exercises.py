@@ -52,7 +52,10 @@ class _Case:
 class _Exercise:
     """``reference`` defines the answer; ``cases()`` builds the inputs; ``in_place`` names the argument
     positions the function writes to (compared instead of the return value); ``engine`` is
-    ``"module:attribute"``, the engine's function that :func:`swapped` replaces (``None``: none)."""
+    ``"module:attribute"``, the engine's function that :func:`swapped` replaces (``None``: none).
+    ``bits16``: 16-bit results must have the reference's bits, since a tolerance passes a misplaced
+    rounding; the hint says what to do when they do not. ``mistakes``: common wrong answers and their
+    names, said when the reader's result is one of them."""
 
     name: str
     chapter: str
@@ -62,9 +65,8 @@ class _Exercise:
     engine: str | None = None
     exact: bool = False  # integer outputs, or results that must match bit for bit
     fp32_tolerance: tuple[float, float] | None = None  # (rtol, atol) for fp32 results, where sums run long
-    bits16: str | None = None  # 16-bit results must have the reference's bits (a tolerance would pass a misplaced
-    # rounding): what to do when they do not
-    mistakes: tuple[tuple[Callable, str], ...] = ()  # (a common wrong answer, its name): said when the reader's matches
+    bits16: str | None = None
+    mistakes: tuple[tuple[Callable, str], ...] = ()
 
 
 # ---- tolerances ------------------------------------------------------------------------------------
@@ -141,6 +143,7 @@ def grade(name: str, fn: Callable) -> tuple[bool, str]:
     ex = _exercise(name)
     cases = ex.cases()
     for i, case in enumerate(cases, 1):
+        where = f"✗ {name}, case {i} of {len(cases)} ({case.what})"
         ref_args, my_args = _clone(case.args), _clone(case.args)
         try:
             want = ex.reference(*ref_args, **case.kwargs)
@@ -154,20 +157,20 @@ def grade(name: str, fn: Callable) -> tuple[bool, str]:
             if isinstance(want, Exception) and _same_refusal(e, want):
                 continue
             if isinstance(want, Exception):  # refused, but by whatever failed first (PyTorch's indexing, say)
-                return False, (f"✗ {name}, case {i} of {len(cases)} ({case.what}): raised {type(e).__name__}: {e}; "
-                               f"refuse it yourself with a {type(want).__name__}, as the reference does: {want}")
-            return False, f"✗ {name}, case {i} of {len(cases)} ({case.what}): raised {type(e).__name__}: {e}"
+                return False, (f"{where}: raised {type(e).__name__}: {e}; refuse it yourself with a "
+                               f"{type(want).__name__}, as the reference does: {want}")
+            return False, f"{where}: raised {type(e).__name__}: {e}"
         if isinstance(want, Exception):
-            return False, (f"✗ {name}, case {i} of {len(cases)} ({case.what}): returned a result, but this input "
-                           f"must be refused (the reference raises {type(want).__name__}: {want})")
-        where = f"✗ {name}, case {i} of {len(cases)} ({case.what})"
+            return False, (f"{where}: returned a result, but this input must be refused (the reference raises "
+                           f"{type(want).__name__}: {want})")
         if ex.in_place:
             got = tuple(my_args[j] for j in ex.in_place)
             want = tuple(ref_args[j] for j in ex.in_place)
             if all(torch.equal(g, case.args[j]) for g, j in zip(got, ex.in_place)):
                 return False, (f"{where}: the arguments to write in place are unchanged: assign into them "
                                f"(x[...] = ... or x.copy_(...)); binding a name to a new tensor changes nothing")
-        problem = _difference(got, want, ex.exact, fp32=ex.fp32_tolerance) or (ex.bits16 and _bits16(got, want, ex.bits16))
+        problem = (_difference(got, want, ex.exact, fp32=ex.fp32_tolerance)
+                   or (ex.bits16 and _bits16(got, want, ex.bits16)))
         if problem:
             mistake = next((what for wrong, what in ex.mistakes if _gives(wrong, case, ex, got)), None)
             return False, f"{where}: {problem}" + (f" ({mistake})" if mistake else "")

@@ -185,8 +185,8 @@ def _stored_outside(guard: torch.Tensor) -> str | None:
     hit = ~torch.isnan(guard)
     if not bool(hit.any()):
         return None
-    return (f"stored {int(hit.sum())} value(s) past the end of out, the first {int(hit.nonzero()[0])} floats after "
-            f"it: check the index against the size before every store")
+    return (f"stored {int(hit.sum())} value(s) past the end of out, the first {int(hit.nonzero()[0]) + 1} float(s) "
+            f"past it: check the index against the size before every store")
 
 
 def _never_stored(got: torch.Tensor, want: torch.Tensor) -> str | None:
