@@ -8,7 +8,8 @@
 // rows with 16-byte loads, VECS per lane and row issued before the first is used (dot2_rows,
 // common.cuh), against every input row (a few KB, which all blocks read, so from L2), and reduces with
 // shuffles; lane 0 writes. Blocks of WARPS warps cover 2 * WARPS columns, so the weight is spread over
-// N / 8 blocks, i.e. over every SM for V2-Lite's matrices. Both tokens share each weight load, so two
+// N / 8 blocks: 256 and 384 for V2-Lite's o_proj and q_proj, more than the SMs, but 72 for kv_a_proj's
+// 576 columns, which leave half the SMs idle. Both tokens share each weight load, so two
 // tokens cost barely more than one; beyond that cuBLAS's kernels win (gemv.py: GEMV_MAX_TOKENS).
 //
 // Bounds. The host checks dtypes, shapes, K % 8 == 0, 16-byte alignment of x, W and x's row stride.
