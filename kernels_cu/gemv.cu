@@ -9,8 +9,8 @@
 // common.cuh), against every input row (a few KB, which all blocks read, so from L2), and reduces with
 // shuffles; lane 0 writes. Blocks of WARPS warps cover 2 * WARPS columns, so the weight is spread over
 // N / 8 blocks: 256 and 384 for V2-Lite's o_proj and q_proj, more than the SMs, but 72 for kv_a_proj's
-// 576 columns, which leave half the SMs idle. Both tokens share each weight load, so two
-// tokens cost barely more than one; beyond that cuBLAS's kernels win (gemv.py: GEMV_MAX_TOKENS).
+// 576 columns, which leave half the SMs idle. Both tokens share each weight load, so two tokens cost
+// barely more than one; from three the skinny GEMM or cuBLAS takes over (gemv.py: GEMV_MAX_TOKENS).
 //
 // Bounds. The host checks dtypes, shapes, K % 8 == 0, 16-byte alignment of x, W and x's row stride.
 // An odd N: the last warp's second row is its first (read twice, written once).

@@ -23,8 +23,8 @@ constexpr int OUT_VECS = 4;             // 16-byte vectors per lane and row load
 // Block (h, chunk, t), 256 threads: q_lat[t, h, chunk * 128 + 8g .. + 7]. Thread (g, s) sums the rows
 // n = s, s + 16, ... of W_k[h] for its 8 columns; the 16 partial sums of a column are added in s order
 // through shared memory. Block (h, 0, t) also copies q_pe[t, h] into query[t, h, C:]. One token per
-// block: a token's W_k rows come from L2 after the first token's block read them (measured on the
-// H200, a block that looped over up to 8 tokens, its sums in registers, ran slower even at one token).
+// block: a token's W_k rows come from L2 after the first token's block read them, and a block's
+// accumulators stay 8 floats a thread (a block looping over tokens would hold 8 per token).
 // q_nope and q_pe are strided views (token stride, head stride; last dim contiguous); W_k[h] starts at
 // w_k + h * w_head_stride, rows of C contiguous values; query [T, H, C + R] is contiguous. The host
 // checks C % 128 == 0 and 16-byte aligned W_k rows.
