@@ -341,18 +341,21 @@ def test_the_read_header_grader_needs_the_offsets_checked_against_the_data():
 
 
 def test_a_kernel_that_skips_an_element_or_stores_past_the_end_is_named():
-    """The kernel exercises fill out (and a guard after it) with NaN: what a kernel left unwritten or wrote
-    past the end is named, instead of a comparison with whatever memory held."""
-    from dsv2_lib.lessons.kernel_exercises import GUARD, _nan_out, _never_stored, _stored_outside
+    """The kernel exercises fill out (and a guard after it) with a marked NaN: what a kernel left unwritten
+    or wrote past the end is named, instead of a comparison with whatever memory held; a NaN the kernel
+    computed (0 * inf: eps forgotten on a row of zeros) is a stored value, compared with the reference."""
+    from dsv2_lib.lessons.kernel_exercises import FILL_BITS, GUARD, _nan_out, _never_stored, _stored_outside
 
     out, guard = _nan_out((2, 3), "cpu")
     assert out.shape == (2, 3) and guard.shape == (GUARD,) and out.isnan().all() and guard.isnan().all()
     want = torch.arange(6.0).view(2, 3)
     out.copy_(want)
     assert _never_stored(out, want) is None and _stored_outside(guard) is None
-    out[1, 2] = float("nan")
+    out[0, 1] = torch.tensor(0.0) * torch.tensor(float("inf"))  # computed: stored, if wrong
+    assert _never_stored(out, want) is None
+    out.view(torch.int32)[1, 2] = FILL_BITS
     assert "out[1, 2] was never stored (1 of 6 elements" in _never_stored(out, want)
-    guard[3] = 1.0
+    guard[3] = float("nan")  # any store past the end, a NaN too
     assert "stored 1 value(s) past the end of out, the first 4 float(s) past it" in _stored_outside(guard)
 
 

@@ -38,7 +38,8 @@ from dsv2_lib.ops import activation, norm
 THREADS = 256  # threads per block of every exercise's launch
 RMS_NORM_PARAMS = ("x", "weight", "out", "cols", "eps")  # the exercises' signatures (module doc)
 SILU_PARAMS = ("x", "out", "rows", "inter")
-GUARD = 1024  # NaN floats after each launch's ``out``: a store past its end lands there
+GUARD = 1024  # marked floats after each launch's ``out``: a store past its end lands there
+FILL_BITS = 0x7FA5A5A5  # the mark: a NaN with a payload no arithmetic produces (a computed NaN is 0x7FFFFFFF)
 
 
 class KernelCompileError(ValueError):
@@ -66,11 +67,17 @@ def _rms_norm_cases() -> list[_Case]:
 
 
 def _nan_out(shape: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out`` of ``shape`` and the :data:`GUARD` floats after it, in one buffer of NaN: after the launch an
-    element still NaN was never stored, and a guard element that is not NaN was stored past the end."""
+    """``out`` of ``shape`` and the :data:`GUARD` floats after it, in one buffer of marked NaN
+    (:data:`FILL_BITS`): after the launch an element still marked was never stored, and a guard element
+    no longer marked was stored past the end. A NaN the kernel computes (0 · inf) has other bits."""
     n = math.prod(shape)
-    buf = torch.full((n + GUARD,), float("nan"), device=device)
+    buf = torch.full((n + GUARD,), FILL_BITS, dtype=torch.int32, device=device).view(torch.float32)
     return buf[:n].view(shape), buf[n:]
+
+
+def _marked(t: torch.Tensor) -> torch.Tensor:
+    """Where ``t`` (fp32) still holds the mark :data:`FILL_BITS` the launch put there."""
+    return t.contiguous().view(torch.int32) == FILL_BITS
 
 
 def _launch_rms_norm(fn, x, weight, eps):
@@ -182,7 +189,7 @@ def grade_kernel(name: str, source: str) -> tuple[bool | None, str]:
 
 def _stored_outside(guard: torch.Tensor) -> str | None:
     """What a store past the end of ``out`` left in the guard after it, in words (``None``: nothing)."""
-    hit = ~torch.isnan(guard)
+    hit = ~_marked(guard)
     if not bool(hit.any()):
         return None
     return (f"stored {int(hit.sum())} value(s) past the end of out, the first {int(hit.nonzero()[0]) + 1} float(s) "
@@ -190,8 +197,8 @@ def _stored_outside(guard: torch.Tensor) -> str | None:
 
 
 def _never_stored(got: torch.Tensor, want: torch.Tensor) -> str | None:
-    """The elements of ``out`` still NaN (the launch fills it with NaN) where the reference has a number."""
-    missing = torch.isnan(got) & ~torch.isnan(want)
+    """The elements of ``out`` still marked (:func:`_nan_out`) where the reference has a number."""
+    missing = _marked(got) & ~torch.isnan(want)
     if not bool(missing.any()):
         return None
     idx = [int(i) for i in missing.nonzero()[0]]
