@@ -18,8 +18,9 @@ __device__ __forceinline__ int sequence_of(const int* cu_q, int B, int t) {
 // Version 1: one thread per (query, head). Thread g = blockIdx.x * blockDim.x + threadIdx.x takes
 // query token t = g / h and head hd = g % h. Pass 1 finds the row maximum m of the scores; pass 2
 // recomputes each score, adds p = exp(s - m) to the sum l and p * v to 128 accumulators. Every
-// thread reads all its keys and values from global memory: (192 + 128) * 2 bytes per key for
-// 2 * 320 FLOPs; no reuse at all between the 16 heads' or the neighbouring queries' threads.
+// thread reads all its keys and values from global memory: the key in both passes and the value once,
+// (2 * 192 + 128) * 2 bytes per key for 2 * 320 FLOPs; no reuse at all between the 16 heads' or the
+// neighbouring queries' threads.
 // ================================================================================================
 template <typename T>
 __global__ void attention_prefill_naive(
