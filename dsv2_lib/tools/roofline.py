@@ -102,7 +102,7 @@ def active_parameters_per_token(cfg: ModelConfig) -> int:
 
     Everything except the routed experts it was not sent to (it uses ``k`` of ``E`` per
     MoE layer) and the embedding table, of which it reads one row: a gather, not a
-    matmul. This is the convention behind the DeepSeek-V2 paper's "2.4 B activated".
+    matmul. For V2-Lite 2.45 B, where the DeepSeek-V2 paper quotes "2.4 B activated".
     """
     c = parameter_counts(cfg)
     _, n_moe = _layer_kinds(cfg)
@@ -227,7 +227,7 @@ def decode_roofline_tokens_per_s(
 
     A step yields ``batch`` tokens and lasts at least
     ``max(bytes / bandwidth, FLOPs / flops)``. V2-Lite at batch 1 on an H200:
-    4.9e9 B / 4.2e12 B/s = 1.17 ms per step, about 860 tokens/s.
+    4.9e9 B / 4.2e12 B/s = 1.17 ms per step, about 857 tokens/s.
     """
     t_memory = decode_bytes_per_step(cfg, batch, context, bytes_per_value) / bandwidth
     t_compute = decode_flops_per_step(cfg, batch, context) / flops
