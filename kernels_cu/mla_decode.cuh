@@ -81,6 +81,43 @@ static_assert(HEADS == 16 && ROW_PAD % 8 == 0, "16 heads = the MMA's M; 16-byte 
 static_assert(SS_PITCH % 4 == 0 && SS_PITCH >= TILE / 2, "a lane's TILE / 2 partial scores, as float4s");
 }  // namespace mla
 
+// V consecutive floats (global or shared memory): one float for V = 1, a float2 for V = 2, else V/4 16-byte
+// vectors (common.cuh's Vec16).
+template <int V>
+__device__ __forceinline__ void load_cols(float (&dst)[V], const float* __restrict__ src) {
+    static_assert(V <= 2 || V % 4 == 0, "a float, a float2 or 16-byte vectors");
+    if constexpr (V == 1) {
+        dst[0] = *src;
+    } else if constexpr (V == 2) {
+        const float2 v = *reinterpret_cast<const float2*>(src);
+        dst[0] = v.x; dst[1] = v.y;
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; k += 4) {
+            const Vec16<float> v = load16(src + k);
+#pragma unroll
+            for (int u = 0; u < 4; ++u) dst[k + u] = v.v[u];
+        }
+    }
+}
+
+template <int V>
+__device__ __forceinline__ void store_cols(float* __restrict__ dst, const float (&src)[V]) {
+    if constexpr (V == 1) {
+        *dst = src[0];
+    } else if constexpr (V == 2) {
+        *reinterpret_cast<float2*>(dst) = make_float2(src[0], src[1]);
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; k += 4) {
+            Vec16<float> v;
+#pragma unroll
+            for (int u = 0; u < 4; ++u) v.v[u] = src[k + u];
+            store16(dst + k, v);
+        }
+    }
+}
+
 // Attend rows [t_begin, t_end) of entry b (t_end <= its length) with heads h0 .. h0+15 and write
 // head h's normalised o = O / l to o_dst + h * o_stride (DL fp32) and, if lse_dst is not nullptr,
 // lse = m + log2(l) to lse_dst[h * lse_stride]. `rows` is the entry's slot (contiguous) or the whole
@@ -102,7 +139,9 @@ __device__ __forceinline__ void attend_rows(
     constexpr int COLS = DL / WARPS;           // output columns per warp
     constexpr int NT_O = COLS / 8;             // output n-tiles per warp
     constexpr int VEC_PER_ROW = D / 8;         // 16-byte vectors per cache row
+    constexpr int SF = NT_S * 4 / WARPS;       // summed partial scores each warp finishes, per lane
     static_assert(D % 16 == 0 && DL % (16 * WARPS) == 0 && TILE % 16 == 0 && TILE % WARPS == 0, "tile shapes");
+    static_assert(NT_S * 4 % WARPS == 0 && (SF == 1 || SF == 2 || SF % 4 == 0), "the exchange's share per warp");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sk = reinterpret_cast<T*>(smem_raw);                                      // [STAGES][TILE][PITCH]
@@ -222,22 +261,33 @@ __device__ __forceinline__ void attend_rows(
                 }
             }
         }
-        // ---- sum the WARPS partial tiles (same order in every warp: identical S everywhere) ----
-        // A lane's 16 partials are contiguous (float4 stores and loads); lanes SS_PITCH floats apart,
-        // so the 8 lanes of each 128-bit access phase hit 8 different groups of 4 banks.
+        // ---- sum the WARPS partial tiles, in two steps (same order everywhere: identical S in every warp) --
+        // A lane's 16 partials are contiguous; lanes SS_PITCH floats apart, so the 8 lanes of each 128-bit
+        // access phase hit 8 different groups of 4 banks. Step 1: warp w finishes floats [w·SF, (w+1)·SF) of
+        // every lane's 16 — the sum over all warps' partials, in warp order — and leaves it in warp 0's slot
+        // (only warp w reads or writes those floats). Step 2: every warp reads the 16 sums. Each warp loads
+        // WARPS·SF + 16 floats a lane instead of WARPS·16: the exchange no longer grows with the block.
         float* my_ss = ss + (warp * 32 + lane) * SS_PITCH;
 #pragma unroll
         for (int j = 0; j < NT_S; ++j)
             *reinterpret_cast<float4*>(my_ss + 4 * j) = make_float4(s[j][0], s[j][1], s[j][2], s[j][3]);
         __syncthreads();
-#pragma unroll
-        for (int j = 0; j < NT_S; ++j) {
-            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        {
+            float sum[SF] = {};
 #pragma unroll
             for (int w = 0; w < WARPS; ++w) {
-                const float4 v = *reinterpret_cast<const float4*>(ss + (w * 32 + lane) * SS_PITCH + 4 * j);
-                acc[0] += v.x; acc[1] += v.y; acc[2] += v.z; acc[3] += v.w;
+                float v[SF];
+                load_cols<SF>(v, ss + (w * 32 + lane) * SS_PITCH + warp * SF);
+#pragma unroll
+                for (int e = 0; e < SF; ++e) sum[e] += v[e];
             }
+            store_cols<SF>(ss + lane * SS_PITCH + warp * SF, sum);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j) {
+            const float4 v = *reinterpret_cast<const float4*>(ss + lane * SS_PITCH + 4 * j);
+            const float acc[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int tok = tok0 + 8 * j + 2 * t + (e & 1);
@@ -327,38 +377,6 @@ __device__ __forceinline__ void attend_rows(
 // many partials (batch 1, long context); a wide V makes few blocks for many rows of a few partials (large
 // batches), where most of a narrow block's time would be its fixed cost.
 constexpr int COMBINE_WARPS = DSV2_MLA_COMBINE_WARPS;  // set in dsv2_lib/ops/mla_decode.py
-
-// V consecutive floats: one float2 for V = 2, else V/4 16-byte vectors (common.cuh's Vec16).
-template <int V>
-__device__ __forceinline__ void load_cols(float (&dst)[V], const float* __restrict__ src) {
-    static_assert(V == 2 || V % 4 == 0, "float2 or 16-byte vectors");
-    if constexpr (V == 2) {
-        const float2 v = *reinterpret_cast<const float2*>(src);
-        dst[0] = v.x; dst[1] = v.y;
-    } else {
-#pragma unroll
-        for (int k = 0; k < V; k += 4) {
-            const Vec16<float> v = load16(src + k);
-#pragma unroll
-            for (int u = 0; u < 4; ++u) dst[k + u] = v.v[u];
-        }
-    }
-}
-
-template <int V>
-__device__ __forceinline__ void store_cols(float* __restrict__ dst, const float (&src)[V]) {
-    if constexpr (V == 2) {
-        *reinterpret_cast<float2*>(dst) = make_float2(src[0], src[1]);
-    } else {
-#pragma unroll
-        for (int k = 0; k < V; k += 4) {
-            Vec16<float> v;
-#pragma unroll
-            for (int u = 0; u < 4; ++u) v.v[u] = src[k + u];
-            store16(dst + k, v);
-        }
-    }
-}
 
 template <int V>
 __device__ __forceinline__ void merge_partials(float* __restrict__ out_row, const float* __restrict__ o_first,
