@@ -19,9 +19,10 @@
 //
 // Work split inside the block. Scores: warp w multiplies the k-steps (16 columns of D each)
 // w, w+4, w+8, ... for all 32 tokens, keeping its slice of Q in registers; the four partial score
-// tiles are summed through shared memory, in the same order by every warp, so all warps hold the
-// same S and run the same online softmax (FlashAttention recurrence, log2 domain). Output: warp w
-// owns columns [w*DL/4, (w+1)*DL/4) of O, 64 fp32 accumulators per thread for DL = 512.
+// tiles are summed through shared memory in warp order (each warp finishes a quarter of the sums, then
+// every warp reads them all), so all warps hold the same S and run the same online softmax
+// (FlashAttention recurrence, log2 domain). Output: warp w owns columns [w*DL/4, (w+1)*DL/4) of O,
+// 64 fp32 accumulators per thread for DL = 512.
 //
 // Split-KV. When several blocks share an entry's context, each writes its range's normalised partial
 // o = O / l and lse = m + log2(l) (log2 domain), and merge_partials merges them:
@@ -29,12 +30,12 @@
 // directly (no lse). An empty range writes o = 0, lse = -inf (weight 0).
 //
 // What sets the pace (benchmarks/bench_mla_decode.py, benchmarks/bench_mla_decode_paged.py): a block's
-// tile loop is serial — wait for tile it, score, reduce across warps, softmax, P.V, two block
+// tile loop is serial — wait for tile it, score, reduce across warps, softmax, P.V, three block
 // barriers — and it is the SM's work per tile, not the bytes in flight, that sets the pace: the
 // pipeline depth hardly matters, and with two blocks per SM their phases overlap. With one warp per
 // scheduler the block is bound by issuing its instructions, so the tile loop keeps its bookkeeping
-// small: whole rows copied per warp, a float4 exchange of partial scores, the rescale skipped once
-// the running maxima settle.
+// small: whole rows copied per warp, a two-step float4 exchange of partial scores, the rescale
+// skipped once the running maxima settle.
 //
 // Paged (PAGED = true, chapter 13). `rows` is one layer of the paged cache, flat [num_rows, D], and
 // entry b's context position p lives in row block_table[b][p / block_size] * block_size
