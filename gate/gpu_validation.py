@@ -249,12 +249,15 @@ def junit_seconds(junit: Path) -> dict[str, float]:
 
 
 def sanitizer(tool: str, test_ids: list[str], xml: Path, log: Path, ours: set[str]) -> tuple[dict, str]:
-    """``test_ids`` under ``compute-sanitizer --tool tool``: ({"tests": counts, "errors": ...}, log)."""
+    """``test_ids`` under ``compute-sanitizer --tool tool``: ({"tests": counts, "errors": ..., "unreported": n},
+    log), ``n`` the tests its junit file does not account for (all of them when the process died before
+    writing it)."""
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", DSV2_BACKEND="cuda")
     prefix = ["compute-sanitizer", f"--tool={tool}", "--target-processes=all", "--error-exitcode=0",
               *(MEMCHECK_SKIP if tool == "memcheck" else RACECHECK_SKIP)]
     counts, text = run_pytest(test_ids, xml, log, prefix, env, timeout=SANITIZER_TIMEOUT_S)
-    return {"tests": counts, **sanitizer_errors(tool, text, ours)}, text
+    reported = sum(counts[k] for k in ("passed", "failed", "skipped", "errors"))
+    return {"tests": counts, **sanitizer_errors(tool, text, ours), "unreported": len(test_ids) - reported}, text
 
 
 def summed(runs: list[dict]) -> dict:
@@ -309,7 +312,13 @@ def run_sanitizer(tool: str, out_dir: Path, xml_dir: Path) -> dict:
     with concurrent.futures.ThreadPoolExecutor(len(shards)) as pool:
         runs = [pool.submit(sanitizer, tool, shard, xml_dir / f"{tool}{i}.xml", out_dir / f"{tool}{i}.log", ours)
                 for i, shard in enumerate(shards)]
-        counts = [r.result()[0] for r in runs]
+        results = [r.result() for r in runs]
+    counts = [c for c, _ in results]
+    for i, (c, text) in enumerate(results):  # a shard that died says so here: its log may not come back
+        if c["errors"] is None or c["unreported"]:
+            tail = "\n".join(text.splitlines()[-20:])
+            print(f"{tool} shard {i}: {len(shards[i])} tests, {c['unreported']} not in its junit file, "
+                  f"{'no' if c['errors'] is None else 'a'} sanitizer summary; its log ends:\n{tail}")
     for i in range(len(shards)):
         timed.setdefault(tool, {}).update(junit_seconds(xml_dir / f"{tool}{i}.xml"))
     SECONDS.write_text(json.dumps(timed, indent=1, sort_keys=True) + "\n")
@@ -323,7 +332,7 @@ def part_ok(report: dict, part: str) -> bool:
         return bool(gpu) and gpu["failed"] == gpu["errors"] == 0 and gpu["passed"] > 0 and not gpu.get("timed_out")
     run = report.get(part)
     return bool(run) and run["errors"] == 0 and run["tests"]["failed"] == 0 and run["tests"]["passed"] > 0 \
-        and not run["tests"].get("timed_out")
+        and not run["tests"].get("timed_out") and not run.get("unreported")
 
 
 PART_KEYS = {"tests": ("gpu_tests",), "memcheck": ("kernel_tests", "memcheck"),

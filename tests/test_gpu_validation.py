@@ -62,6 +62,18 @@ def test_shards_are_summed_and_a_missing_count_stays_missing():
     assert summed([shard(3, 0), shard(0, None, timed_out=True)])["errors"] is None
 
 
+def test_tests_a_dead_shard_never_reported_keep_the_part_unclean():
+    """A shard whose process died before writing its junit file counts none of its tests: the summed
+    counts can look clean (no failure, no error) while 14 tests never ran; ``unreported`` says so."""
+    def shard(passed, unreported):
+        return {"tests": {"passed": passed, "failed": 0, "skipped": 0, "errors": 0, "timed_out": False},
+                "errors": 0, "other_kernels_races": 0, "unreported": unreported}
+    assert part_ok({"racecheck": summed([shard(174, 0), shard(0, 0)])}, "racecheck")
+    lost = summed([shard(174, 0), shard(0, 14)])
+    assert lost["unreported"] == 14 and lost["tests"]["failed"] == 0 and lost["errors"] == 0
+    assert not part_ok({"racecheck": lost}, "racecheck")
+
+
 def test_collect_lists_the_sanitizer_tests_without_a_gpu():
     ids = collect(["tests/test_cache_write_gpu.py"], SANITIZER_MARKERS)
     assert ids and all(i.startswith("tests/test_cache_write_gpu.py::") for i in ids)
