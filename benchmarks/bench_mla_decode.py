@@ -13,7 +13,7 @@ For each (batch, context) in bf16, DeepSeek-V2-Lite's rows (16 heads, 512 + 64):
 * ``torch``: the reference (``mla_decode_reference``, fp32 einsums per sequence) and a batched
   bf16 torch version (two ``bmm`` on cuBLAS, fp32 softmax), timed per call.
 
-Bandwidth = cache bytes read (batch × context × 576 × 2) over the time. The bar (issue 5): the
+Bandwidth = cache bytes read (batch × context × 576 × 2) over the time. The bar: the
 kernel at >= 70 % of the copy bandwidth at 64 × 4096 and 1 × 32768, judged for the default and for
 the best candidate (PASS/FAIL per bar at the end). Caches smaller than 256 MB
 are replicated and rotated between calls so that L2 (50 MB) cannot serve them. Writes JSON to

@@ -5,7 +5,7 @@ a random permutation of the pool. For each batch (equal lengths, and one of mixe
 ``mla_decode_paged`` with the balanced schedule (every pipeline depth) and chapter 10's uniform splits
 (``mla_decode_paged_uniform``, its default configuration), and the balanced schedule over tables in
 pool order (every entry's rows contiguous: what scattering the blocks costs), GPU time from replayed
-CUDA graphs, and compares the cache bytes read per second with a copy of the same bytes. The bar (issue 7): >= 75 %
+CUDA graphs, and compares the cache bytes read per second with a copy of the same bytes. The bar: >= 75 %
 of copy at 1 x 32768, 32 x 4096 and 128 x 1024. Pools smaller than 256 MB are replicated and
 rotated so that L2 cannot serve them. Then, at the end-to-end bench's contexts (513 rows, batch 1 to
 128), the balanced schedule's ``min_tiles``. These runs set ``DecodeTuning``'s defaults. JSON to
