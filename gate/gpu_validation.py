@@ -156,7 +156,7 @@ RACECHECK_MARKERS = SANITIZER_MARKERS + " and not large_reference"
 RACECHECK_PER_TEST = 4  # racecheck must instrument cuBLAS too (below): ~5-10 s per test there
 # Processes per tool. The sanitizers are bound by the host's cores (16 on the H200 machine), so the tools
 # run one at a time, each with all of them (side by side, 6 + 8 processes, racecheck's slowest process
-# needed more than its 500 s on 2026-11-29). Tests are dealt by their seconds in the last run (``deal``).
+# needed more than its 500 s). Tests are dealt by their seconds in the last run (``deal``).
 SHARDS = {"memcheck": 12, "racecheck": 14}
 # GPU memory each sanitized process may need at once (GiB): memcheck runs the kernel tests at full size
 # without the caching allocator, and processes' peaks can coincide. On an 80 GB H100, 12 shards ran out

@@ -7,7 +7,7 @@ measured numbers as JSON. The checkpoint (31 GB) goes to ``DSV2_FULL_SIZE_DIR`` 
 In fp32 the two engines differ only in summation order, so logits must agree to ~1e-5 and the
 argmax at >= 99 % of positions. In bf16 every rounding of 27 layers' residual stream compounds: on
 random weights transformers' bf16 logits are ~4 % (relative) from its own fp32 logits and pick a
-different top-1 token at ~9 % of positions (measured on the H200, see the issue note). Two bf16
+different top-1 token at ~9 % of positions (measured on the H200). Two bf16
 engines that round in different places (our attention and expert sums accumulate in fp32, SDPA
 and ``index_add_`` in bf16) can therefore not agree better than that noise floor; the bf16 test
 holds both against the fp32 logits instead, and ours must be at least as accurate.
@@ -145,7 +145,7 @@ def test_full_size_bf16_is_as_accurate_as_transformers_bf16(results):
     """bf16 vs bf16 top-1 agreement is capped by bf16 itself on random weights (transformers' own bf16
     agrees with its fp32 at ~90 % of positions), so both bf16 runs are held against the fp32 logits:
     ours must be at least as close as transformers' (2 % slack on the relative error). The top-1
-    rate is noisy: over these 2,048 positions (H200, 2026-11-29) ours picked fp32's token at 89.2 %,
+    rate is noisy: over these 2,048 positions (H200) ours picked fp32's token at 89.2 %,
     transformers at 89.8 %, and ours on the PyTorch reference ops at 89.6 %, while our two paths,
     equally precise, picked different tokens at 5.9 % of positions. A run of 512 positions once
     showed ours 3.7 points below transformers with a *smaller* relative error. The top-1 check
