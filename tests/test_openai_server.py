@@ -146,6 +146,29 @@ def test_a_client_that_disconnects_frees_its_blocks(served):
     assert finish["event"] == "finish" and finish["reason"] == "abort" and finish["output_tokens"] < 1500
 
 
+def test_a_client_that_leaves_before_a_whole_answer_frees_its_blocks(served):
+    """Not streamed: the client hangs up while tokens keep coming (no pause in which to notice), and the
+    request is aborted all the same. A raw socket, closed once the request holds blocks: no timing."""
+    _, engine, url = served
+    pool = engine.loop.sched.blocks
+    host, port = url.removeprefix("http://").removesuffix("/v1").split(":")
+    body = json.dumps({"model": MODEL, "prompt": "To be", "max_tokens": 1500, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    deadline = time.monotonic() + 120  # hang guards, not timing claims
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(head + body)
+        while pool.num_free_blocks == pool.num_blocks:  # until the request runs
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.01)
+    while pool.num_free_blocks < pool.num_blocks:
+        assert time.monotonic() < deadline, "the abandoned request still holds blocks"
+        time.sleep(0.05)
+    finish = [json.loads(line) for line in served[0].engine_config.trace.read_text().splitlines()][-1]
+    assert finish["event"] == "finish" and finish["reason"] == "abort" and finish["output_tokens"] < 1500
+
+
 def test_64_concurrent_streams_share_the_batch_and_each_gets_its_offline_output(served, reference):
     prompts = [f"Request {i}: " + "the king " * (i % 7) for i in range(64)]
     want = reference.generate(prompts, SamplingParams(max_tokens=16, temperature=0))

@@ -23,6 +23,8 @@ from dsv2_lib.engine.live_engine import Event, LiveEngine
 from dsv2_lib.engine.request_state import TokenLogprob
 from dsv2_lib.engine.sampling import MAX_LOGPROBS, SamplingParams
 
+DISCONNECT_POLL_S = 0.5  # how often a whole (not streamed) answer's wait asks whether its client is still there
+
 
 class _Common(BaseModel):
     """The sampling fields both endpoints take (OpenAI's names and defaults)."""
@@ -171,25 +173,30 @@ async def _submit(engine: LiveEngine, prompt, params: SamplingParams):
 
 
 async def _collect(events: asyncio.Queue, handle, request: Request):
-    """Wait for the whole answer, aborting it if the client goes away: text, logprobs, reason, tokens."""
+    """Wait for the whole answer, aborting it if the client goes away: text, logprobs, reason, tokens.
+    The client is asked about every ``DISCONNECT_POLL_S`` whether or not tokens keep coming."""
     pieces, lps, n = [], [], 0
+    loop = asyncio.get_running_loop()
+    ask_at = loop.time() + DISCONNECT_POLL_S
     while True:
         try:
-            e = await asyncio.wait_for(events.get(), timeout=0.5)
+            e = await asyncio.wait_for(events.get(), timeout=max(0.0, ask_at - loop.time()))
         except asyncio.TimeoutError:
+            e = None
+        if e is not None:
+            n += e.token is not None
+            pieces.append(e.piece or "")
+            if e.logprob is not None:
+                lps.append(e.logprob)
+            if e.finish_reason == "error":
+                raise _BadRequest(e.error or "the request failed", None, 500)
+            if e.finish_reason is not None:
+                return "".join(pieces), lps, e.finish_reason, n
+        if loop.time() >= ask_at:
             if await request.is_disconnected():
                 handle.abort()
                 raise asyncio.CancelledError from None
-            continue
-        if e.token is not None:
-            n += 1
-        pieces.append(e.piece or "")
-        if e.logprob is not None:
-            lps.append(e.logprob)
-        if e.finish_reason is not None:
-            if e.finish_reason == "error":
-                raise _BadRequest(e.error or "the request failed", None, 500)
-            return "".join(pieces), lps, e.finish_reason, n
+            ask_at = loop.time() + DISCONNECT_POLL_S
 
 
 def _sse(events: asyncio.Queue, handle, render) -> StreamingResponse:
