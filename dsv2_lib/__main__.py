@@ -174,6 +174,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--kv-cache-mib", type=float, default=None,
                    help="KV cache size in MiB (default on CUDA: what is left of 90%% of the GPU's memory after the "
                         "weights and the activations' reserve, at most what is free; 256 MiB on a CPU)")
+    s.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, metavar="N",
+                   help="most tokens one step computes: decodes first, then prompt chunks (chunked prefill); "
+                        "the activations' reserve grows with it")
     s.add_argument("--tuning", default=None, metavar="FILE",
                    help="kernel-path thresholds measured by `calibrate` (default: the shipped ones)")
     s.add_argument("--trace", default=None, metavar="FILE",
@@ -202,7 +205,7 @@ def serve_command(args) -> int:
         size = {"kv_cache_mib": 256.0 if args.kv_cache_mib is None else args.kv_cache_mib}
     try:
         llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, trace=args.trace,
-                  tuning=tuning_of(args), **size)
+                  max_num_batched_tokens=args.max_num_batched_tokens, tuning=tuning_of(args), **size)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

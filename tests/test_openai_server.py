@@ -207,7 +207,8 @@ def test_the_serve_command_answers_traces_and_stops(tmp_path):
     sock.close()
     trace = tmp_path / "steps.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "dsv2_lib", "serve", "--device", "cpu", "--port", str(port),
-                             "--kv-cache-mib", "2", "--trace", str(trace)], stderr=subprocess.PIPE, text=True)
+                             "--kv-cache-mib", "2", "--max-num-batched-tokens", "4", "--trace", str(trace)],
+                            stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120  # a hang guard
         while True:
@@ -219,9 +220,13 @@ def test_the_serve_command_answers_traces_and_stops(tmp_path):
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
         assert r.json()["data"][0]["id"] == "tiny"
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"model": "tiny", "prompt": "To be, or not to be, that is the question", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        assert [json.loads(line)["event"] for line in trace.read_text().splitlines()][-1] == "finish"
+        events = [json.loads(line) for line in trace.read_text().splitlines()]
+        assert events[-1]["event"] == "finish"
+        steps = [sum(item["tokens"] for item in e["items"]) for e in events if e["event"] == "step"]
+        assert max(steps) == 4 < r.json()["usage"]["prompt_tokens"]  # the prompt was prefilled in chunks of 4
     finally:
         proc.terminate()
         proc.wait(60)
