@@ -11,7 +11,7 @@ whose two special tokens sit after the ordinary vocabulary, as the real ones do.
 
 Only sizes are shrunk (hidden 2048 -> 64, 64 experts -> 8, 27 layers -> 3, ...); the structure is
 kept: one dense layer then MoE layers, MLA without query compression, YaRN with factor 40.
-Sources for every real value are listed in book/real_model.md.
+The real files, their sizes and what the engine reads of each are listed in book/real_model.md.
 """
 import json
 import math
