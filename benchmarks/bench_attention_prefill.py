@@ -127,18 +127,19 @@ def main() -> dict:
     small = results["shapes"]["1x512"]
     results["beats_sdpa_at_1x512"] = small["kernel_beats_sdpa"]
     print(f"bar: {results['bar']}; our best variant beats the best SDPA at 1x512: {results['beats_sdpa_at_1x512']}")
-    # crossover: the smallest token count from which the engine's SDPA path wins at every larger measured shape
-    tokens = lambda key: int(key.split("x")[0]) * int(key.split("x")[1])  # noqa: E731
-    order = sorted(results["shapes"].items(), key=lambda kv: tokens(kv[0]))
+    # crossover: the shortest single sequence (B = 1, so tokens = max_len, the one threshold calibrate sets
+    # for both) from which the engine's SDPA path wins at every longer measured one
+    singles = sorted(((k, r) for k, r in results["shapes"].items() if k.startswith("1x")),
+                     key=lambda kv: int(kv[0].split("x")[1]))
     sdpa_from = None
-    for key, row in reversed(order):
+    for key, row in reversed(singles):
         if row["kernel_beats_engine_sdpa"]:
             break
         sdpa_from = key
     results["crossover"] = {"sdpa_wins_from": sdpa_from,
                             "kernel_variant_large": big["best_variant"],
                             "kernel_variant_small": results["shapes"]["1x256"]["best_variant"]}
-    print(f"crossover: the engine's SDPA path wins at every measured shape from {sdpa_from} up "
+    print(f"crossover: the engine's SDPA path wins at every measured single sequence from {sdpa_from} up "
           "(None: our kernel wins at the largest)")
     print(f"suggested AttentionTuning: sdpa_min_tokens = sdpa_min_max_len = "
           f"{int(sdpa_from.split('x')[1]) if sdpa_from else 'beyond the largest shape'}; "
