@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(32 * NW, MINB) attention_prefill_mma(
     const int pos0 = start + q0 + r0, pos1 = pos0 + 8;
 
     // K tile at key k0 -> buffer: 64 keys x 24 chunks of 8 elements (16 chunks of k_nope, 8 of the shared
-    // k_pe); V tile: 64 keys x 16 chunks. Each is load_rows (above): a thread keeps one chunk column
+    // k_pe); V tile: 64 keys x 16 chunks. Each goes through load_rows: a thread keeps one chunk column
     // and steps down the rows.
     auto load_k = [&](int k0, T* buf) {
         load_rows<16, K_STRIDE, THREADS>(buf, k_nope + (kbeg + k0) * sk_t + hd * sk_h, sk_t, k0, n_keys);

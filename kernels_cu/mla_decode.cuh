@@ -82,14 +82,13 @@ static_assert(HEADS == 16 && ROW_PAD % 8 == 0, "16 heads = the MMA's M; 16-byte 
 static_assert(SS_PITCH % 4 == 0 && SS_PITCH >= TILE / 2, "a lane's TILE / 2 partial scores, as float4s");
 }  // namespace mla
 
-// V consecutive floats (global or shared memory): one float for V = 1, a float2 for V = 2, else V/4 16-byte
-// vectors (common.cuh's Vec16).
+// V consecutive floats (global or shared memory): a float2 for V = 2, else V/4 16-byte vectors
+// (common.cuh's Vec16). Every caller takes V = 2 or a multiple of 4: the merge's widths (2 .. 16, and
+// its shared-memory vectors of 2 or 4) and the score exchange's SF = 4 at 4 warps a block.
 template <int V>
 __device__ __forceinline__ void load_cols(float (&dst)[V], const float* __restrict__ src) {
-    static_assert(V <= 2 || V % 4 == 0, "a float, a float2 or 16-byte vectors");
-    if constexpr (V == 1) {
-        dst[0] = *src;
-    } else if constexpr (V == 2) {
+    static_assert(V == 2 || (V > 0 && V % 4 == 0), "a float2 or 16-byte vectors: no width-1 path");
+    if constexpr (V == 2) {
         const float2 v = *reinterpret_cast<const float2*>(src);
         dst[0] = v.x; dst[1] = v.y;
     } else {
@@ -104,9 +103,8 @@ __device__ __forceinline__ void load_cols(float (&dst)[V], const float* __restri
 
 template <int V>
 __device__ __forceinline__ void store_cols(float* __restrict__ dst, const float (&src)[V]) {
-    if constexpr (V == 1) {
-        *dst = src[0];
-    } else if constexpr (V == 2) {
+    static_assert(V == 2 || (V > 0 && V % 4 == 0), "a float2 or 16-byte vectors: no width-1 path");
+    if constexpr (V == 2) {
         *reinterpret_cast<float2*>(dst) = make_float2(src[0], src[1]);
     } else {
 #pragma unroll
@@ -142,7 +140,8 @@ __device__ __forceinline__ void attend_rows(
     constexpr int VEC_PER_ROW = D / 8;         // 16-byte vectors per cache row
     constexpr int SF = NT_S * 4 / WARPS;       // summed partial scores each warp finishes, per lane
     static_assert(D % 16 == 0 && DL % (16 * WARPS) == 0 && TILE % 16 == 0 && TILE % WARPS == 0, "tile shapes");
-    static_assert(NT_S * 4 % WARPS == 0 && (SF == 1 || SF == 2 || SF % 4 == 0), "the exchange's share per warp");
+    static_assert(NT_S * 4 % WARPS == 0 && (SF == 2 || SF % 4 == 0),  // 4 at 4 warps; 16 warps would make it 1
+                  "the exchange's share per warp: 2 floats or a multiple of 4 (load_cols has no width 1)");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sk = reinterpret_cast<T*>(smem_raw);                                      // [STAGES][TILE][PITCH]

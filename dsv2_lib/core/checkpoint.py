@@ -142,8 +142,9 @@ def load_checkpoint(model: nn.Module, directory: str | Path, progress: bool | No
     """Fill every parameter of ``model`` from the checkpoint in ``directory``, converting dtypes.
 
     ``progress=None`` shows a progress bar only for checkpoints over 1 GB. ``check_finite`` refuses a
-    checkpoint with a NaN or infinite weight (one pass over the weights where they now live: about
-    8 ms for V2-Lite on an H200), which would otherwise make every logit NaN without a word.
+    checkpoint with a NaN or infinite weight (one read of every weight where it now lives, on the GPU
+    when the model is there, with one host sync for all of them), which would otherwise make every
+    logit NaN without a word.
     """
     files = checkpoint_files(directory)
     params = dict(model.named_parameters())
@@ -197,8 +198,11 @@ def _check_finite(params: dict[str, torch.Tensor], directory: str | Path) -> Non
 
 
 def _expected_entries(param_name: str, param: torch.Tensor) -> list[tuple[int, ...]]:
-    """The indices of every checkpoint tensor that fills a parameter, in the Hub's order
-    (``[()]`` for a parameter stored whole)."""
+    """The indices of every checkpoint tensor that fills a parameter (``[()]`` for a parameter stored
+    whole), row-major over :func:`_pieces`' leading dims: gate then up; for stacked experts, every
+    expert's gate (0, 1, ...) before every expert's up, and ``down_proj`` by expert. It follows the
+    engine's layout, not any checkpoint file's; :mod:`dsv2_lib.tools.random_checkpoint` draws its
+    tensors in this order."""
     return list(itertools.product(*map(range, _pieces(param_name, param).shape[: _lead_dims(param_name)])))
 
 

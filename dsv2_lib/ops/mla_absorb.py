@@ -21,8 +21,8 @@ import torch
 from dsv2_lib.core import kernels
 from dsv2_lib.core.kernels import CUDA_TYPE
 
-# Up to this many tokens the kernels, beyond the einsums. GPU time per call on the H200 (2026-11-30,
-# V2-Lite, bf16): query kernel 2.6 / 2.7 / 3.1 / 5.2 µs at 1 / 2 / 4 / 8 tokens against 4.7 / 4.8 / 4.8 / 5.1
+# Up to this many tokens the kernels, beyond the einsums. GPU time per call on an H200 (V2-Lite,
+# bf16): query kernel 2.6 / 2.7 / 3.1 / 5.2 µs at 1 / 2 / 4 / 8 tokens against 4.7 / 4.8 / 4.8 / 5.1
 # for einsum + cat; output kernel 2.4 / 2.6 / 3.8 / 6.0 against 4.3 / 4.3 / 4.4 / 4.4 for copy + einsum.
 ABSORB_MAX_TOKENS = 4
 QUERY_COLS, QUERY_THREADS = 128, 256  # q_lat columns and threads per block of mla_absorb_query

@@ -1,8 +1,9 @@
 // A naive tiled GEMM, written to be read: C[M, N] = A[M, K] @ B[K, N], all row-major and
 // contiguous, inputs of type T (float, __half or __nv_bfloat16), fp32 accumulation, C stored in T.
 //
-// The engine does NOT call it: torch.matmul (cuBLAS) uses the H200's tensor cores and is many
-// times faster. Chapter 05 measures both. This kernel shows the idea every fast GEMM starts from.
+// The engine does NOT call it: its dense projections call F.linear (cuBLAS) beyond a few tokens,
+// which uses the H200's tensor cores and is many times faster. Chapter 05 measures both. This
+// kernel shows the idea every fast GEMM starts from.
 //
 // Tiling. One block of 256 threads computes one BM x BN = 64 x 64 tile of C. It walks along K in
 // steps of BK = 16: the block copies a 64 x 16 tile of A and a 16 x 64 tile of B from global
