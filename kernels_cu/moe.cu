@@ -34,55 +34,116 @@ __global__ void topk_softmax(float* __restrict__ weights, long long* __restrict_
 }
 
 // ------------------------------------------------------------------------------------------------
-// Alignment. One block of ALIGN_THREADS = 1024 threads (32 warps); warp w owns the contiguous range
-// [w*L, w*L + L) of the n = T*k choices (L = ceil(n / 32)). Dynamic shared memory: cnt [32][E] ints
-// and seg [E+1] ints. Three passes, no atomics on global memory, no host synchronisation:
+// Alignment. G blocks of ALIGN_THREADS = 1024 threads (32 warps), G = ceil(n / 2048) for the n = T*k
+// choices (moe_routing.py): block g owns the contiguous range [g*C, g*C + C) of the choices
+// (C = ceil(n / G)) and warp w of it the w-th of 32 equal parts of that range. Dynamic shared
+// memory: cnt [32][E], tot [E], before [E] and seg [E+1] ints. No atomics on global memory, no host
+// synchronisation:
 //   1. cnt[w][e] = how many of warp w's choices go to expert e;
-//   2. cnt[w][e] := sum over w' < w of cnt[w'][e] (exclusive, per expert); seg[e] = padded start of
-//      expert e's segment: the sum over e' < e of ceil(count(e') / BLOCK) * BLOCK;
+//   2. cnt[w][e] := sum over w' < w of cnt[w'][e] (exclusive, per expert); with several blocks,
+//      moe_align_count has run pass 1 over the same ranges and left each block's counts in
+//      counts [G][E], from which every block takes tot[e] (all blocks) and before[e] (blocks < g);
+//      seg[e] = padded start of expert e's segment: the sum over e' < e of ceil(tot[e'] / BLOCK) * BLOCK;
 //   3. each warp walks its range in order, 32 choices at a time; lanes with the same expert find each
-//      other with __match_any_sync, and the choice's position is seg[e] + cnt[w][e] + (number of lower
-//      lanes with the same expert). So positions are stable: by choice index, i.e. by token.
+//      other with __match_any_sync, and the choice's position is seg[e] + before[e] + cnt[w][e] +
+//      (number of lower lanes with the same expert). So positions are stable: by choice index, i.e. by token.
+// Why G blocks: a block runs on one SM, whose load/store unit (the shared-memory atomics, the
+// scattered stores) sets its pace, so 24,576 choices (8 x 512 tokens) in one block would take tens of
+// microseconds; G blocks on G SMs share the work.
 // Outputs are sized for the worst case by the host: max_tiles = (n + E*(BLOCK-1)) / BLOCK tiles,
 // cap = max_tiles * BLOCK rows. sum_e ceil(c_e/BLOCK) <= (n + E*(BLOCK-1)) / BLOCK, so every write fits.
+// Each row and tile is written once: a choice's row by its warp, expert e's padding rows and tiles by
+// one thread of block e mod G, the rows and tiles past the last segment by all blocks.
 // ------------------------------------------------------------------------------------------------
-__global__ void moe_align(int* __restrict__ sorted_rows, int* __restrict__ slot_of, int* __restrict__ tile_expert,
-                          int* __restrict__ offsets, const long long* __restrict__ ids,
-                          int n, int E, int block, int max_tiles, int cap) {
-    wait_for_prior_grids();
-    extern __shared__ int smem[];
-    int* cnt = smem;             // [32][E]
-    int* seg = smem + 32 * E;    // [E + 1]
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+// This warp's part [lo, hi) of this block's range of the n choices (block g of gridDim.x, 32 warps).
+__device__ __forceinline__ void align_range(int n, int& lo, int& hi) {
+    const int C = (n + gridDim.x - 1) / gridDim.x, block_lo = blockIdx.x * C, block_hi = min(n, block_lo + C);
+    const int L = (C + 31) / 32;
+    lo = min(block_hi, block_lo + (int)(threadIdx.x >> 5) * L);
+    hi = min(block_hi, lo + L);
+}
 
-    for (int i = tid; i < nwarps * E; i += blockDim.x) cnt[i] = 0;
-    for (int i = tid; i < cap; i += blockDim.x) sorted_rows[i] = -1;
-    for (int i = tid; i < max_tiles; i += blockDim.x) tile_expert[i] = -1;
+// Pass 1: zero cnt [32][E], count each warp's choices per expert into it (ids outside [0, E) are not
+// counted), then synchronise the block.
+__device__ __forceinline__ void align_count(int* cnt, const long long* __restrict__ ids, int n, int E) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int i = threadIdx.x; i < 32 * E; i += blockDim.x) cnt[i] = 0;
     __syncthreads();
-
-    const int L = (n + nwarps - 1) / nwarps;
-    const int lo = warp * L, hi = min(n, lo + L);
-    for (int i = lo + lane; i < hi; i += 32) {  // pass 1
+    int lo, hi;
+    align_range(n, lo, hi);
+    for (int i = lo + lane; i < hi; i += 32) {
         const long long e = ids[i];
         if (e >= 0 && e < E) atomicAdd(&cnt[warp * E + (int)e], 1);  // shared-memory counter
     }
     __syncthreads();
+}
+
+// With G > 1 blocks: counts[g][e] = how many of block g's choices go to expert e.
+__global__ void moe_align_count(int* __restrict__ counts, const long long* __restrict__ ids, int n, int E) {
+    wait_for_prior_grids();
+    extern __shared__ int smem[];
+    int* cnt = smem;  // [32][E]
+    align_count(cnt, ids, n, E);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int c = 0;
+        for (int w = 0; w < 32; ++w) c += cnt[w * E + e];
+        counts[blockIdx.x * E + e] = c;
+    }
+}
+
+// counts: moe_align_count's [G][E] with G = gridDim.x > 1, or nullptr for one block.
+__global__ void moe_align(int* __restrict__ sorted_rows, int* __restrict__ slot_of, int* __restrict__ tile_expert,
+                          int* __restrict__ offsets, const long long* __restrict__ ids,
+                          const int* __restrict__ counts, int n, int E, int block, int max_tiles, int cap) {
+    wait_for_prior_grids();
+    extern __shared__ int smem[];
+    int* cnt = smem;             // [32][E]
+    int* tot = cnt + 32 * E;     // [E]: choices per expert, all blocks
+    int* before = tot + E;       // [E]: choices per expert in blocks < g
+    int* seg = before + E;       // [E + 1]
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = blockIdx.x, G = gridDim.x;
+
+    align_count(cnt, ids, n, E);  // pass 1
     for (int e = tid; e < E; e += blockDim.x) {  // pass 2: per expert, over warps
         int c = 0;
-        for (int w = 0; w < nwarps; ++w) { const int x = cnt[w * E + e]; cnt[w * E + e] = c; c += x; }
-        seg[e] = c;  // the expert's count, for now
+        for (int w = 0; w < 32; ++w) { const int x = cnt[w * E + e]; cnt[w * E + e] = c; c += x; }
+        tot[e] = counts == nullptr ? c : 0;
+        before[e] = 0;
     }
     __syncthreads();
-    if (tid == 0) {  // padded exclusive prefix sum over experts (E <= 256: a short serial loop)
-        int acc = 0;
-        for (int e = 0; e < E; ++e) { const int c = seg[e]; seg[e] = acc; acc += (c + block - 1) / block * block; }
-        seg[E] = acc;
+    if (counts != nullptr) {  // the other blocks' counts (integer sums: the order of the atomics is immaterial)
+        for (int j = tid; j < G * E; j += blockDim.x) {
+            const int x = counts[j], e = j % E;
+            atomicAdd(&tot[e], x);
+            if (j / E < g) atomicAdd(&before[e], x);
+        }
+        __syncthreads();
+    }
+    if (warp == 0) {  // padded exclusive prefix sum over experts: lane l takes experts [l*P, l*P + P), E <= 256
+        const int P = (E + 31) / 32, e0 = min(E, lane * P), e1 = min(E, e0 + P);
+        int mine = 0;
+        for (int e = e0; e < e1; ++e) mine += (tot[e] + block - 1) / block * block;
+        int incl = mine;
+#pragma unroll
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            const int y = __shfl_up_sync(FULL, incl, offset);
+            if (lane >= offset) incl += y;
+        }
+        for (int e = e0, acc = incl - mine; e < e1; ++e) { seg[e] = acc; acc += (tot[e] + block - 1) / block * block; }
+        if (lane == 31) seg[E] = incl;
     }
     __syncthreads();
-    for (int e = tid; e <= E; e += blockDim.x) offsets[e] = seg[e];
-    for (int e = tid; e < E; e += blockDim.x)
+    if (g == 0)
+        for (int e = tid; e <= E; e += blockDim.x) offsets[e] = seg[e];
+    for (int e = g + G * tid; e < E; e += G * blockDim.x) {  // expert e's padding rows and tiles
+        for (int r = seg[e] + tot[e]; r < seg[e + 1]; ++r) sorted_rows[r] = -1;
         for (int t = seg[e] / block; t < seg[e + 1] / block; ++t) tile_expert[t] = e;
+    }
+    for (int r = seg[E] + g * blockDim.x + tid; r < cap; r += G * blockDim.x) sorted_rows[r] = -1;
+    for (int t = seg[E] / block + g * blockDim.x + tid; t < max_tiles; t += G * blockDim.x) tile_expert[t] = -1;
 
+    int lo, hi;
+    align_range(n, lo, hi);
     for (int base = lo; base < hi; base += 32) {  // pass 3 (base is uniform over the warp)
         const int i = base + lane;
         const bool inside = i < hi;
@@ -93,7 +154,7 @@ __global__ void moe_align(int* __restrict__ sorted_rows, int* __restrict__ slot_
         const int rank = __popc(peers & ((1u << lane) - 1u));
         int pos = -1;
         if (valid) {
-            pos = seg[e] + cnt[warp * E + e] + rank;
+            pos = seg[e] + before[e] + cnt[warp * E + e] + rank;
             sorted_rows[pos] = i;
         }
         if (inside) slot_of[i] = pos;

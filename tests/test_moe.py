@@ -13,7 +13,7 @@ from dsv2_lib.core.config import TINY
 from dsv2_lib.core.dtypes import default_dtype
 from dsv2_lib.model.moe import MoE
 from dsv2_lib.ops.moe_experts import MoETuning, choose_path, moe_experts, routed_experts, skinny_experts
-from dsv2_lib.ops.moe_routing import moe_align, moe_align_reference, route, topk_softmax
+from dsv2_lib.ops.moe_routing import ALIGN_CHOICES, moe_align, moe_align_reference, route, topk_softmax
 
 
 def direct_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -169,50 +169,60 @@ def test_moe_align_reference_layout(t, k, e, block):
     assert torch.equal(sorted_rows[slot_of.long()].long(), torch.arange(n))
 
 
-def emulate_moe_align(ids: torch.Tensor, e: int, block: int, nwarps: int = 32):
-    """moe_align's three passes, warp by warp, lane by lane (match_any = same expert among the 32)."""
+def emulate_moe_align(ids: torch.Tensor, e: int, block: int, choices_per_block: int = ALIGN_CHOICES, nwarps: int = 32):
+    """moe_align's passes, block by block, warp by warp, lane by lane (match_any = same expert among the 32)."""
     flat = ids.flatten().tolist()
     n = len(flat)
     max_tiles = (n + e * (block - 1)) // block
     sorted_rows, slot_of, tile_expert = [-1] * (max_tiles * block), [None] * n, [-1] * max_tiles
-    L = -(-n // nwarps)
-    cnt = [[0] * e for _ in range(nwarps)]
-    for w in range(nwarps):
-        for i in range(w * L, min(n, w * L + L)):
-            cnt[w][flat[i]] += 1
-    seg = []
+    G = max(1, -(-n // choices_per_block))
+    C = -(-n // G)
+    L = -(-C // nwarps)
+    ranges = [[(min(n, g * C + w * L), min(n, g * C + C, g * C + w * L + L)) for w in range(nwarps)] for g in range(G)]
+    cnt = [[[0] * e for _ in range(nwarps)] for _ in range(G)]  # pass 1, and moe_align_count's counts
+    for g in range(G):
+        for w, (lo, hi) in enumerate(ranges[g]):
+            for i in range(lo, hi):
+                cnt[g][w][flat[i]] += 1
+    counts = [[sum(cnt[g][w][x] for w in range(nwarps)) for x in range(e)] for g in range(G)]
+    tot = [sum(counts[g][x] for g in range(G)) for x in range(e)]
+    seg, acc = [], 0
     for x in range(e):
-        c = 0
-        for w in range(nwarps):
-            cnt[w][x], c = c, c + cnt[w][x]
-        seg.append(c)
-    acc = 0
-    for x in range(e):
-        seg[x], acc = acc, acc + -(-seg[x] // block) * block
+        seg.append(acc)
+        acc += -(-tot[x] // block) * block
     seg.append(acc)
     for x in range(e):
         for tt in range(seg[x] // block, seg[x + 1] // block):
             tile_expert[tt] = x
-    for w in range(nwarps):
-        lo, hi = w * L, min(n, w * L + L)
-        for base in range(lo, hi, 32):
-            lanes = [(base + l, flat[base + l]) for l in range(32) if base + l < hi]
-            for lane, (i, x) in enumerate(lanes):
-                rank = sum(1 for j, (_, y) in enumerate(lanes) if j < lane and y == x)
-                pos = seg[x] + cnt[w][x] + rank
-                sorted_rows[pos], slot_of[i] = i, pos
-            for x in {x for _, x in lanes}:
-                cnt[w][x] += sum(1 for _, y in lanes if y == x)
+    for g in range(G):
+        before = [sum(counts[h][x] for h in range(g)) for x in range(e)]
+        for x in range(e):  # pass 2: exclusive over warps
+            c = 0
+            for w in range(nwarps):
+                cnt[g][w][x], c = c, c + cnt[g][w][x]
+        for w, (lo, hi) in enumerate(ranges[g]):
+            for base in range(lo, hi, 32):
+                lanes = [(base + l, flat[base + l]) for l in range(32) if base + l < hi]
+                for lane, (i, x) in enumerate(lanes):
+                    rank = sum(1 for j, (_, y) in enumerate(lanes) if j < lane and y == x)
+                    pos = seg[x] + before[x] + cnt[g][w][x] + rank
+                    sorted_rows[pos], slot_of[i] = i, pos
+                for x in {x for _, x in lanes}:
+                    cnt[g][w][x] += sum(1 for _, y in lanes if y == x)
     return [torch.tensor(v, dtype=torch.int32) for v in (sorted_rows, slot_of, tile_expert, seg)]
 
 
-@pytest.mark.parametrize("t,k,e,block", [(1, 6, 64, 64), (17, 6, 64, 64), (300, 6, 64, 64), (200, 2, 16, 8), (5, 2, 4, 1)])
-def test_moe_align_kernel_algorithm_matches_reference(t, k, e, block):
+@pytest.mark.parametrize("t,k,e,block,per_block", [(1, 6, 64, 64, ALIGN_CHOICES), (17, 6, 64, 64, ALIGN_CHOICES),
+                                                   (300, 6, 64, 64, ALIGN_CHOICES), (200, 2, 16, 8, ALIGN_CHOICES),
+                                                   (5, 2, 4, 1, ALIGN_CHOICES), (400, 6, 64, 8, ALIGN_CHOICES),
+                                                   (300, 6, 64, 16, 100), (97, 3, 8, 4, 7)])
+def test_moe_align_kernel_algorithm_matches_reference(t, k, e, block, per_block):
+    """The kernels' algorithm, one block or several (per_block: choices per block, small to get many)."""
     torch.manual_seed(1)
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
     ids[: t // 3, 0] = 0  # one busy expert
     ids[: t // 3, 1:] = torch.arange(1, k)
-    for a, b in zip(emulate_moe_align(ids, e, block), moe_align_reference(ids, e, block)):
+    for a, b in zip(emulate_moe_align(ids, e, block, per_block), moe_align_reference(ids, e, block)):
         assert torch.equal(a, b)
 
 

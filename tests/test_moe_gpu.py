@@ -109,21 +109,25 @@ def test_topk_softmax_refuses_bad_input():
 # ---- alignment ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("t,k,e,block", [(1, 6, 64, 64), (3, 6, 64, 64), (17, 6, 64, 64), (300, 6, 64, 64),
                                          (4096, 6, 64, 64), (4096, 6, 64, 8), (5000, 6, 64, 16), (100, 2, 16, 1),
-                                         (33, 6, 160, 64)])
+                                         (33, 6, 160, 64), (3000, 8, 256, 16), (342, 6, 64, 8)])
 def test_moe_align_matches_reference(t, k, e, block):
+    """One block (up to ALIGN_CHOICES choices) and several (from 342 x 6 = 2052: two blocks)."""
     _, ids = random_choice(t, k, e, seed=t)
     for a, b in zip(moe_align(ids, e, block), moe_align_reference(ids, e, block)):
         assert torch.equal(a, b)
 
 
-def test_moe_align_one_expert_takes_everything_and_drops_bad_ids():
-    ids = torch.zeros(500, 1, dtype=torch.int64, device="cuda")
+@pytest.mark.parametrize("t", [500, 5000])  # one block, three
+def test_moe_align_one_expert_takes_everything_and_drops_bad_ids(t):
+    ids = torch.zeros(t, 1, dtype=torch.int64, device="cuda")
     for a, b in zip(moe_align(ids, 64, 64), moe_align_reference(ids, 64, 64)):
         assert torch.equal(a, b)
     ids[7, 0] = 64  # out of range: dropped, never written anywhere
-    ids[9, 0] = -3
+    ids[t - 9, 0] = -3
     sorted_rows, slot_of, tile_expert, offsets = moe_align(ids, 64, 64)
-    assert slot_of[7] == -1 and slot_of[9] == -1 and offsets[-1] == 512 and int((sorted_rows >= 0).sum()) == 498
+    assert slot_of[7] == -1 and slot_of[t - 9] == -1 and int((sorted_rows >= 0).sum()) == t - 2
+    assert offsets[-1] == -(-(t - 2) // 64) * 64 and torch.equal(sorted_rows[: t - 2].cpu(), torch.tensor(
+        [i for i in range(t) if i not in (7, t - 9)], dtype=torch.int32))
 
 
 # ---- experts --------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ ROUTER_PER_LANE = 8          # experts per lane of the one-warp router (moe_comm
 MAX_EXPERTS = 32 * ROUTER_PER_LANE  # 256; also bounds moe_align's shared memory
 MAX_TOPK = 32                # one lane per pick in the router
 ROUTER_WARPS = 4             # warps (tokens) per block of topk_softmax
-ALIGN_THREADS = 1024         # moe_align runs as one block of 32 warps
+ALIGN_THREADS = 1024         # moe_align's blocks: 32 warps
+ALIGN_CHOICES = 2048         # choices per block of moe_align (two rounds of 32 per warp)
 # The block geometry of moe.cu's kernels (moe_experts.py launches most of them).
 GEMV_WARPS = 4               # warps per block of the per-choice GEMV kernels and moe_route_few
 GEMV_THREADS = 32 * GEMV_WARPS
@@ -38,7 +39,7 @@ HEADER_DEFINES = {"DSV2_MOE_ROUTER_PER_LANE": ROUTER_PER_LANE}
 
 MOE_CU = kernels.declare(
     "moe.cu",
-    ["topk_softmax", "moe_align"]
+    ["topk_softmax", "moe_align_count", "moe_align"]
     + [f"moe_gemm<{t}, {g}>" for t in ("__nv_bfloat16", "__half") for g in ("true", "false")]
     + [f"{k}<{t}>" for k in ("moe_route_few", "moe_gemv_gate_up", "moe_gemv_down_combine", "moe_combine")
        for t in CUDA_TYPE.values()]
@@ -163,9 +164,11 @@ def topk_softmax(logits: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, 
 
 
 def moe_align(ids: torch.Tensor, n_experts: int, block: int):
-    """:func:`moe_align_reference` on the GPU: one block, three passes (count, prefix sum, stable
-    scatter), outputs of the worst-case size, no host synchronisation. Ids outside ``[0, E)`` are
-    dropped (slot ``-1``) instead of refused: checking them would need a sync."""
+    """:func:`moe_align_reference` on the GPU: ``ceil(n / ALIGN_CHOICES)`` blocks for the ``n`` choices,
+    each counting and placing its own range (with more than one block, ``moe_align_count`` counts
+    first and each block sums the counts before its range), outputs of the worst-case size, no host
+    synchronisation. Ids outside ``[0, E)`` are dropped (slot ``-1``) instead of refused: checking
+    them would need a sync."""
     if not kernels.use_kernels(ids):
         return moe_align_reference(ids, n_experts, block)
     kernels.check(ids, "moe_align ids", dtype=torch.int64, shape=(None, None))
@@ -180,10 +183,17 @@ def moe_align(ids: torch.Tensor, n_experts: int, block: int):
     slot_of = torch.empty(n, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
     offsets = torch.empty(n_experts + 1, dtype=torch.int32, device=dev)
-    MOE_CU.launch("moe_align", dev, (1,), (ALIGN_THREADS,),
-                  shared_mem=(ALIGN_THREADS // 32 * n_experts + n_experts + 1) * 4,  # cnt [warps][E], seg [E + 1]
+    blocks, warps = max(1, -(-n // ALIGN_CHOICES)), ALIGN_THREADS // 32
+    counts = None
+    if blocks > 1:
+        counts = torch.empty(blocks, n_experts, dtype=torch.int32, device=dev)
+        MOE_CU.launch("moe_align_count", dev, (blocks,), (ALIGN_THREADS,), shared_mem=warps * n_experts * 4,
+                      counts=kernels.ptr(counts), ids=kernels.ptr(ids), n=np.int32(n), E=np.int32(n_experts))
+    MOE_CU.launch("moe_align", dev, (blocks,), (ALIGN_THREADS,),
+                  shared_mem=(warps * n_experts + 3 * n_experts + 1) * 4,  # cnt [warps][E], tot, before, seg [E + 1]
                   sorted_rows=kernels.ptr(sorted_rows), slot_of=kernels.ptr(slot_of),
                   tile_expert=kernels.ptr(tile_expert), offsets=kernels.ptr(offsets), ids=kernels.ptr(ids),
+                  counts=np.uint64(0) if counts is None else kernels.ptr(counts),
                   n=np.int32(n), E=np.int32(n_experts), block=np.int32(block), max_tiles=np.int32(max_tiles),
                   cap=np.int32(max_tiles * block))
     return sorted_rows, slot_of, tile_expert, offsets
