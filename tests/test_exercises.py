@@ -228,7 +228,7 @@ def test_swapped_replaces_the_engine_function_and_restores_it():
     assert "not written yet" in generate_with("rms_norm", _skeleton_rms, max_tokens=2)
     assert norm.rms_norm_reference is _ref_rms, "a skeleton's NotImplementedError left the engine swapped"
     with pytest.raises(ValueError, match="no engine function"):
-        with swapped("slot_mapping", _ignores_the_table):
+        with swapped("reserve_admits", _reserves_one_row_too_many):
             pass
     assert rope.apply_rope_reference_ is not _neox_rope
 

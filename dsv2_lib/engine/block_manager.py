@@ -40,6 +40,16 @@ from dsv2_lib.model.cache import block_bytes, blocks_in_mib
 PENDING = -1  # a token id not known yet (scheduled ahead of the GPU); see set_token
 
 
+def slot_mapping(block_table: Sequence[int], positions: Sequence[int], block_size: int) -> list[int]:
+    """Each position's cache row: ``block_table[p // block_size] * block_size + p % block_size`` (the
+    module doc). A position outside the table's blocks, negative ones included, raises ``IndexError``."""
+    end = len(block_table) * block_size
+    bad = [p for p in positions if not 0 <= p < end]
+    if bad:
+        raise IndexError(f"position {bad[0]} is outside the {len(block_table)} blocks of the table")
+    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+
+
 def block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     """The name of a full block: SHA-256 over the parent block's name and this block's token ids.
 
@@ -219,20 +229,17 @@ class BlockManager:
                 f"(it holds {len(tokens)} tokens in {len(table)} blocks), but only {self.num_free_blocks} "
                 f"of {self.num_blocks} blocks are free"
             )
-        slots, done = [], 0
+        start, done = len(tokens), 0
         while done < len(token_ids):  # a block at a time: the tokens that fit in the sequence's last block
             if len(tokens) == len(table) * bs:
                 table.append(self._take_free_block())
-            offset = len(tokens) % bs
-            n = min(bs - offset, len(token_ids) - done)
-            first = table[-1] * bs + offset
-            slots.extend(range(first, first + n))
+            n = min(bs - len(tokens) % bs, len(token_ids) - done)
             tokens.extend(token_ids[done: done + n])
             done += n
             if self.prefix_caching and len(tokens) % bs == 0:
                 self._name_full_blocks(seq_id)
         self._peak = max(self._peak, self.num_blocks - self.num_free_blocks)
-        return slots
+        return slot_mapping(table, range(start, len(tokens)), bs)
 
     def set_token(self, seq_id: Hashable, position: int, token: int) -> None:
         """Replace the ``PENDING`` token at ``position`` of ``seq_id`` by its value, and name the full

@@ -36,7 +36,7 @@ from dsv2_lib.ops import activation, attention, embedding, mla_absorb, mla_decod
 from dsv2_lib.tools import roofline
 
 __all__ = ["EXERCISES", "check", "grade", "swapped", "generate_with",
-           "reserve_admits_reference", "slot_mapping_reference", "step_tokens_reference"]
+           "reserve_admits_reference", "step_tokens_reference"]
 
 
 @dataclass(frozen=True)
@@ -533,17 +533,6 @@ def _admit_cases() -> list[_Case]:
             _Case("block size 1, max_tokens 1 (the prompt alone)", (7, 1, [(3, 4)], 3, 1))]
 
 
-def slot_mapping_reference(block_table: list[int], positions: list[int], block_size: int) -> list[int]:
-    """Chapter 12's slot of each position of one sequence: ``block_table[p // block_size] * block_size +
-    p % block_size``; a position past the table's blocks is an error."""
-    slots = []
-    for p in positions:
-        if not 0 <= p < len(block_table) * block_size:
-            raise IndexError(f"position {p} is outside the {len(block_table)} blocks of the table")
-        slots.append(block_table[p // block_size] * block_size + p % block_size)
-    return slots
-
-
 def _prefix_cases() -> list[_Case]:
     """Chapter 12's prefix-cache lookup, blocks of 4: caches (name -> block) as the block manager fills them."""
     bs, shared = 4, list(range(100, 112))  # three full blocks
@@ -620,7 +609,8 @@ EXERCISES: dict[str, _Exercise] = {e.name: e for e in [
     _Exercise("absorbed_query", "10", mla_absorb.absorbed_query_reference, _absorb_cases,
               engine="dsv2_lib.ops.mla_absorb:absorbed_query_reference"),
     _Exercise("reserve_admits", "11", reserve_admits_reference, _admit_cases),
-    _Exercise("slot_mapping", "12", slot_mapping_reference, _slot_cases, exact=True),
+    _Exercise("slot_mapping", "12", block_manager.slot_mapping, _slot_cases, exact=True,
+              engine="dsv2_lib.engine.block_manager:slot_mapping"),
     _Exercise("prefix_hits", "12", block_manager.cached_prefix, _prefix_cases, exact=True,
               engine="dsv2_lib.engine.block_manager:cached_prefix"),
     _Exercise("rope", "04", rope.apply_rope_reference_, _rope_cases, in_place=(0, 1),
