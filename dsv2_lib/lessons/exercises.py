@@ -55,7 +55,8 @@ class _Exercise:
     ``"module:attribute"``, the engine's function that :func:`swapped` replaces (``None``: none).
     ``bits16``: 16-bit results must have the reference's bits, since a tolerance passes a misplaced
     rounding; the hint says what to do when they do not. ``mistakes``: common wrong answers and their
-    names, said when the reader's result is one of them."""
+    names, said when the reader's result is one of them. ``sampling``: how :func:`generate_with` picks
+    tokens for this exercise (``None``: greedy; the sampler's own exercise needs seeded sampling)."""
 
     name: str
     chapter: str
@@ -67,6 +68,7 @@ class _Exercise:
     fp32_tolerance: tuple[float, float] | None = None  # (rtol, atol) for fp32 results, where sums run long
     bits16: str | None = None
     mistakes: tuple[tuple[Callable, str], ...] = ()
+    sampling: SamplingParams | None = None
 
 
 # ---- tolerances ------------------------------------------------------------------------------------
@@ -241,13 +243,18 @@ def swapped(name: str, fn: Callable) -> Iterator[None]:
 
 
 def generate_with(name: str, fn: Callable, prompt: str = "To be, or not", max_tokens: int = 16) -> str:
-    """Greedy text from the tiny model on the CPU, with the engine's own function and then with ``fn``
-    swapped in for exercise ``name``: one sentence saying whether the tokens are identical, or at
-    which token they part, or that ``fn`` is still the skeleton (it raised NotImplementedError)."""
+    """Text from the tiny model on the CPU (greedy, or the exercise's seeded ``sampling``), with the
+    engine's own function and then with ``fn`` swapped in for exercise ``name``: one sentence saying
+    whether the tokens are identical, or at which token they part, or that ``fn`` is still the
+    skeleton (it raised NotImplementedError)."""
     from dsv2_lib.engine.llm import LLM
 
     llm = LLM("tiny", device="cpu")
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    sp = _exercise(name).sampling
+    params = (SamplingParams(max_tokens=max_tokens, temperature=0.0) if sp is None
+              else dataclasses.replace(sp, max_tokens=max_tokens))
+    how = "" if sp is None else \
+        f" (sampled: temperature {sp.temperature}, top_k {sp.top_k}, top_p {sp.top_p}, seed {sp.seed})"
     ours = llm.generate(prompt, params)[0]
     try:
         with swapped(name, fn):
@@ -255,10 +262,11 @@ def generate_with(name: str, fn: Callable, prompt: str = "To be, or not", max_to
     except NotImplementedError:
         return f"your {name} is not written yet (the skeleton still raises NotImplementedError): nothing generated"
     if yours.token_ids == ours.token_ids:
-        return f"{len(yours.token_ids)} tokens through your {name}, identical to the engine's own: {prompt!r} -> {yours.text!r}"
+        return (f"{len(yours.token_ids)} tokens{how} through your {name}, identical to the engine's own: "
+                f"{prompt!r} -> {yours.text!r}")
     at = next((i for i, (a, b) in enumerate(zip(yours.token_ids, ours.token_ids)) if a != b),
               min(len(yours.token_ids), len(ours.token_ids)))
-    return (f"through your {name} the tokens part from the engine's at token {at}: yours {yours.text!r}, "
+    return (f"through your {name} the tokens{how} part from the engine's at token {at}: yours {yours.text!r}, "
             f"the engine's {ours.text!r}")
 
 
@@ -619,7 +627,9 @@ EXERCISES: dict[str, _Exercise] = {e.name: e for e in [
     _Exercise("route", "08", moe_routing.route, _route_cases, engine="dsv2_lib.ops.moe_routing:route"),
     _Exercise("moe_align", "08", moe_routing.moe_align_reference, _moe_align_cases, exact=True,
               engine="dsv2_lib.ops.moe_routing:moe_align_reference"),
-    _Exercise("filter_logits", "09", sampling.filter_logits, _filter_cases),
+    _Exercise("filter_logits", "09", sampling.filter_logits, _filter_cases,
+              engine="dsv2_lib.engine.sampling:filter_logits",
+              sampling=SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=0)),
     _Exercise("balanced_segments", "13", mla_decode.balanced_segments, _segment_cases, exact=True),
     _Exercise("step_tokens", "14", step_tokens_reference, _step_cases, exact=True),
 ]}
