@@ -37,8 +37,8 @@ __global__ void topk_softmax(float* __restrict__ weights, long long* __restrict_
 // Alignment. G blocks of ALIGN_THREADS = 1024 threads (32 warps), G = ceil(n / 2048) for the n = T*k
 // choices (moe_routing.py): block g owns the contiguous range [g*C, g*C + C) of the choices
 // (C = ceil(n / G)) and warp w of it the w-th of 32 equal parts of that range. Dynamic shared
-// memory: cnt [32][E], tot [E], before [E] and seg [E+1] ints. No atomics on global memory, no host
-// synchronisation:
+// memory: cnt [32][E], tot [E], before [E] and seg [E+1] ints (32: the warps of a block). No atomics
+// on global memory, no host synchronisation:
 //   1. cnt[w][e] = how many of warp w's choices go to expert e;
 //   2. cnt[w][e] := sum over w' < w of cnt[w'][e] (exclusive, per expert); with several blocks,
 //      moe_align_count has run pass 1 over the same ranges and left each block's counts in
@@ -55,19 +55,19 @@ __global__ void topk_softmax(float* __restrict__ weights, long long* __restrict_
 // Each row and tile is written once: a choice's row by its warp, expert e's padding rows and tiles by
 // one thread of block e mod G, the rows and tiles past the last segment by all blocks.
 // ------------------------------------------------------------------------------------------------
-// This warp's part [lo, hi) of this block's range of the n choices (block g of gridDim.x, 32 warps).
+// This warp's part [lo, hi) of this block's range of the n choices (block g of gridDim.x).
 __device__ __forceinline__ void align_range(int n, int& lo, int& hi) {
     const int C = (n + gridDim.x - 1) / gridDim.x, block_lo = blockIdx.x * C, block_hi = min(n, block_lo + C);
-    const int L = (C + 31) / 32;
+    const int nwarps = blockDim.x >> 5, L = (C + nwarps - 1) / nwarps;
     lo = min(block_hi, block_lo + (int)(threadIdx.x >> 5) * L);
     hi = min(block_hi, lo + L);
 }
 
-// Pass 1: zero cnt [32][E], count each warp's choices per expert into it (ids outside [0, E) are not
-// counted), then synchronise the block.
+// Pass 1: zero cnt [warps][E], count each warp's choices per expert into it (ids outside [0, E) are
+// not counted), then synchronise the block.
 __device__ __forceinline__ void align_count(int* cnt, const long long* __restrict__ ids, int n, int E) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int i = threadIdx.x; i < 32 * E; i += blockDim.x) cnt[i] = 0;
+    for (int i = threadIdx.x; i < (int)(blockDim.x >> 5) * E; i += blockDim.x) cnt[i] = 0;
     __syncthreads();
     int lo, hi;
     align_range(n, lo, hi);
@@ -82,11 +82,11 @@ __device__ __forceinline__ void align_count(int* cnt, const long long* __restric
 __global__ void moe_align_count(int* __restrict__ counts, const long long* __restrict__ ids, int n, int E) {
     wait_for_prior_grids();
     extern __shared__ int smem[];
-    int* cnt = smem;  // [32][E]
+    int* cnt = smem;  // [warps][E]
     align_count(cnt, ids, n, E);
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         int c = 0;
-        for (int w = 0; w < 32; ++w) c += cnt[w * E + e];
+        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) c += cnt[w * E + e];
         counts[blockIdx.x * E + e] = c;
     }
 }
@@ -97,16 +97,17 @@ __global__ void moe_align(int* __restrict__ sorted_rows, int* __restrict__ slot_
                           const int* __restrict__ counts, int n, int E, int block, int max_tiles, int cap) {
     wait_for_prior_grids();
     extern __shared__ int smem[];
-    int* cnt = smem;             // [32][E]
-    int* tot = cnt + 32 * E;     // [E]: choices per expert, all blocks
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5, g = blockIdx.x,
+              G = gridDim.x;
+    int* cnt = smem;             // [warps][E]
+    int* tot = cnt + nwarps * E;  // [E]: choices per expert, all blocks
     int* before = tot + E;       // [E]: choices per expert in blocks < g
     int* seg = before + E;       // [E + 1]
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = blockIdx.x, G = gridDim.x;
 
     align_count(cnt, ids, n, E);  // pass 1
     for (int e = tid; e < E; e += blockDim.x) {  // pass 2: per expert, over warps
         int c = 0;
-        for (int w = 0; w < 32; ++w) { const int x = cnt[w * E + e]; cnt[w * E + e] = c; c += x; }
+        for (int w = 0; w < nwarps; ++w) { const int x = cnt[w * E + e]; cnt[w * E + e] = c; c += x; }
         tot[e] = counts == nullptr ? c : 0;
         before[e] = 0;
     }
