@@ -9,38 +9,7 @@
 //                 the write. The host picks blockDim so that blockDim * ROW_VECS covers the row.
 //   VEC = false : any dim and alignment; one element at a time, the row read twice (the second
 //                 time from cache).
-#include "common.cuh"
-
-constexpr int ROW_VECS = DSV2_RMSNORM_ROW_VECS;  // 16-byte vectors per thread in the VEC variant (set in norm.py)
-
-// g[k] = this thread's vectors of the weight w (VEC variants), loaded before the row's reduction so
-// that their latency overlaps it instead of following it.
-template <typename T>
-__device__ __forceinline__ void load_weight_vecs(Vec16<T> (&g)[ROW_VECS], const T* __restrict__ w, int nvec) {
-    constexpr int N = Vec16<T>::N;
-#pragma unroll
-    for (int k = 0; k < ROW_VECS; ++k) {
-        const int i = threadIdx.x + k * blockDim.x;
-        if (i < nvec) g[k] = load16(w + i * N);
-    }
-}
-
-// dst[i] = round_T(v * inv_rms) * g for the vectors this thread holds in registers (VEC variants).
-template <typename T>
-__device__ __forceinline__ void scale_cached_row(T* dst, const Vec16<T> (&v)[ROW_VECS], const Vec16<T> (&g)[ROW_VECS],
-                                                 int nvec, float inv_rms) {
-    constexpr int N = Vec16<T>::N;
-#pragma unroll
-    for (int k = 0; k < ROW_VECS; ++k) {
-        const int i = threadIdx.x + k * blockDim.x;
-        if (i < nvec) {
-            Vec16<T> o;
-#pragma unroll
-            for (int j = 0; j < N; ++j) o.v[j] = from_float<T>(round_to<T>(to_float(v[k].v[j]) * inv_rms) * to_float(g[k].v[j]));
-            store16(dst + i * N, o);
-        }
-    }
-}
+#include "rmsnorm.cuh"  // ROW_VECS and the register-cached row: load_weight_vecs, load_row_vecs, scale_cached_row
 
 // out[r] = rms_norm(x[r]) for r < gridDim.x; rows are `stride` elements apart in x, `out_stride` in out.
 // out may be x itself (in place), so the two are not __restrict__: each thread reads its elements of
@@ -55,18 +24,9 @@ __global__ void rms_norm(T* out, const T* x, const T* __restrict__ w, int dim, l
         constexpr int N = Vec16<T>::N;
         const int nvec = dim / N;
         Vec16<T> v[ROW_VECS], g[ROW_VECS];
-        load_weight_vecs(g, w, nvec);
-        float acc = 0.f;
-#pragma unroll
-        for (int k = 0; k < ROW_VECS; ++k) {
-            const int i = threadIdx.x + k * blockDim.x;
-            if (i < nvec) {
-                v[k] = load16(row + i * N);
-#pragma unroll
-                for (int j = 0; j < N; ++j) { float f = to_float(v[k].v[j]); acc += f * f; }
-            }
-        }
-        scale_cached_row(dst, v, g, nvec, rsqrtf(block_sum(acc) / dim + eps));
+        load_weight_vecs(g, w, nvec, threadIdx.x, blockDim.x);
+        const float acc = load_row_vecs(v, row, nvec, threadIdx.x, blockDim.x);
+        scale_cached_row(dst, v, g, nvec, rsqrtf(block_sum(acc) / dim + eps), threadIdx.x, blockDim.x);
     } else {
         float acc = 0.f;
         for (int i = threadIdx.x; i < dim; i += blockDim.x) { float f = to_float(row[i]); acc += f * f; }
@@ -90,7 +50,7 @@ __global__ void fused_add_rms_norm(T* __restrict__ out, T* __restrict__ residual
         constexpr int N = Vec16<T>::N;
         const int nvec = dim / N;
         Vec16<T> v[ROW_VECS], g[ROW_VECS];
-        load_weight_vecs(g, w, nvec);
+        load_weight_vecs(g, w, nvec, threadIdx.x, blockDim.x);
         float acc = 0.f;
 #pragma unroll
         for (int k = 0; k < ROW_VECS; ++k) {
@@ -107,7 +67,7 @@ __global__ void fused_add_rms_norm(T* __restrict__ out, T* __restrict__ residual
                 v[k] = a;
             }
         }
-        scale_cached_row(dst, v, g, nvec, rsqrtf(block_sum(acc) / dim + eps));
+        scale_cached_row(dst, v, g, nvec, rsqrtf(block_sum(acc) / dim + eps), threadIdx.x, blockDim.x);
     } else {
         float acc = 0.f;
         for (int i = threadIdx.x; i < dim; i += blockDim.x) {

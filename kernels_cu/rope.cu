@@ -10,22 +10,13 @@
 // rows of d values (h query heads, then k_pe). cos/sin come from the fp32 table [P, d] that
 // rope_cos_sin_cache builds; all h + 1 rows use the token's same d floats (each thread reads those
 // of its own pairs), so after the first row they come from L1.
-// Each product and sum is rounded in fp32 with __fmul_rn/__fadd_rn/__fsub_rn, which the compiler
-// never contracts into an FMA, so the result matches PyTorch's separate multiplies bit for bit.
+// The rotation itself, rounded as PyTorch rounds it, is rope.cuh's rotate_pair (rotate_vec: a vector's pairs).
 //   VEC = true  : each thread moves one 16-byte vector (8 bf16/fp16 or 4 fp32 values = 4 or 2
 //                 pairs); the host checks pointers are 16-byte aligned and d and all strides are
 //                 multiples of the vector width.
 //   VEC = false : one pair per thread, any alignment.
 // A position outside 0..P-1 is never looked up: that token's rows are set to NaN instead.
-#include "common.cuh"
-
-// Rotate the pair (x[0], x[1]) by (c, s), with PyTorch's rounding order.
-__device__ __forceinline__ void rotate_pair(float& a, float& b, float c, float s) {
-    const float ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-    const float rb = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
-    a = ra;
-    b = rb;
-}
+#include "rope.cuh"  // rotate_pair, rotate_vec
 
 template <typename T, bool VEC>
 __global__ void rope(T* __restrict__ q, long long q_row_stride, long long q_head_stride, int heads,
@@ -50,18 +41,7 @@ __global__ void rope(T* __restrict__ q, long long q_row_stride, long long q_head
             const int r = w / per_row, j = w % per_row;
             T* p = row_ptr(r) + j * N;
             Vec16<T> v = load16(p);
-#pragma unroll
-            for (int e = 0; e < N; e += 2) {
-                float a = to_float(v.v[e]), b = to_float(v.v[e + 1]);
-                if (valid) {
-                    const int i = (j * N + e) / 2;
-                    rotate_pair(a, b, cs[i], cs[half + i]);
-                } else {
-                    a = b = nan;
-                }
-                v.v[e] = from_float<T>(a);
-                v.v[e + 1] = from_float<T>(b);
-            }
+            rotate_vec(v, j * N, cs, half, valid);
             store16(p, v);
         }
     } else {

@@ -53,7 +53,8 @@ def test_prefill_writes_latent_rows_at_each_position():
     x = torch.randn(batch.num_tokens, cfg.hidden_size, dtype=torch.float64)
     table = rope_cos_sin_cache(cfg, 8)
     mla(x, batch.positions(), table, batch, cache)
-    latent, k_pe = mla.project_latent(x)
+    latent, k_pe = mla.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    latent = rms_norm_reference(latent, mla.kv_a_layernorm.weight, 1e-6)
 
     k_pe = k_pe.clone()
     apply_rope_reference_(torch.empty(batch.num_tokens, 0, k_pe.shape[1], dtype=k_pe.dtype), k_pe, batch.positions(), table)
@@ -63,16 +64,26 @@ def test_prefill_writes_latent_rows_at_each_position():
     assert cache[1, :2].abs().sum() == 0 and cache[1, 5:].abs().sum() == 0 and cache[0, 4:].abs().sum() == 0
 
 
-def test_project_latent_normalises_inside_the_projection_output():
-    """latent and k_pe are views of kv_a's output, so [latent | k_pe] is the cache row with no copy."""
-    mla = random_mla(TINY)
-    x = torch.randn(5, TINY.hidden_size, dtype=torch.float64)
-    latent, k_pe = mla.project_latent(x)
+def test_cache_rows_turns_kv_into_the_cache_rows_in_place():
+    """cache_rows normalises kv's latent and rotates its k_pe and q_pe where they lie, so kv itself is the
+    step's rows [latent | k_pe], written to each token's slot with no copy made first."""
+    cfg = TINY
+    mla = random_mla(cfg, seed=2)
+    cache = LatentCache(cfg, 2, 8, torch.float64, "cpu").layer(0)
+    batch = SequenceBatch((0, 1), (0, 3), (2, 3))
+    x = torch.randn(batch.num_tokens, cfg.hidden_size, dtype=torch.float64)
+    table = rope_cos_sin_cache(cfg, 8)
     kv = mla.kv_a_proj_with_mqa(x)
-    assert torch.equal(latent, rms_norm_reference(kv[:, :TINY.kv_lora_rank], mla.kv_a_layernorm.weight, 1e-6))
-    assert torch.equal(k_pe, kv[:, TINY.kv_lora_rank:])
-    rows = _joined(latent, k_pe)
-    assert rows.data_ptr() == latent.data_ptr() and torch.equal(rows, torch.cat([latent, k_pe], dim=-1))
+    q_pe = torch.randn(batch.num_tokens, cfg.num_attention_heads, cfg.qk_rope_head_dim, dtype=torch.float64)
+    want_latent = rms_norm_reference(kv[:, :cfg.kv_lora_rank], mla.kv_a_layernorm.weight, 1e-6)
+    want_q, want_k = q_pe.clone(), kv[:, cfg.kv_lora_rank:].clone()
+    apply_rope_reference_(want_q, want_k, batch.positions(), table)
+    ptr = kv.data_ptr()
+    mla.cache_rows(kv, q_pe, batch.positions(), table, batch, cache)
+    assert kv.data_ptr() == ptr and torch.equal(kv[:, :cfg.kv_lora_rank], want_latent)
+    assert torch.equal(kv[:, cfg.kv_lora_rank:], want_k) and torch.equal(q_pe, want_q)
+    assert torch.equal(cache[0, :2], kv[:2]) and torch.equal(cache[1, 3:6], kv[2:])
+    assert cache[0, 2:].abs().sum() == 0 and cache[1, :3].abs().sum() == 0 and cache[1, 6:].abs().sum() == 0
 
 
 def test_joined_views_adjacent_halves_and_copies_anything_else():

@@ -461,7 +461,8 @@ def _mla_projections_reference(x: torch.Tensor, q_proj: torch.Tensor, kv_a_proj:
                      (attn.kv_a_layernorm.weight, kv_a_norm), (attn.kv_b_proj.weight, kv_b_proj)):
         param.copy_(w)
     q_nope, q_pe = attn.project_q(x).split([nope, rope_dim], dim=-1)
-    latent, k_pe = attn.project_latent(x)
+    latent, k_pe = attn.kv_a_proj_with_mqa(x).split([c, rope_dim], dim=-1)
+    latent = attn.kv_a_layernorm(latent)
     k_nope, v = attn.kv_b_proj(latent).view(x.shape[0], heads, -1).split([nope, cfg.v_head_dim], dim=-1)
     return q_nope, q_pe, latent, k_pe, k_nope, v
 

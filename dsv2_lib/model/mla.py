@@ -26,6 +26,7 @@ from dsv2_lib.model.layers import Linear
 from dsv2_lib.model.tuning import Tuning
 from dsv2_lib.ops import attention
 from dsv2_lib.ops.cache_write import write_cache_rows
+from dsv2_lib.ops.latent_rows import fused_applies, latent_rows_
 from dsv2_lib.ops.mla_absorb import absorbed_output, absorbed_query
 from dsv2_lib.ops.mla_decode import (
     latent_kernel_applies,
@@ -85,15 +86,24 @@ class MLA(nn.Module):
         q = self.q_proj(x) if self.cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         return q.view(x.shape[0], self.cfg.num_attention_heads, self.cfg.qk_head_dim)
 
-    def project_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [T, H] -> (normalised latent [T, kv_lora_rank], k_pe [T, rope_dim])`` (k_pe not yet rotated).
+    def cache_rows(self, kv: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, rope_cache: torch.Tensor,
+                   batch: SequenceBatch | PagedBatch, cache: torch.Tensor) -> None:
+        """Make ``kv_a_proj_with_mqa``'s output ``kv [T, row_dim] = [latent | k_pe]`` the step's cache rows and
+        write them to each token's slot: normalise the latent (``kv_a_layernorm``), rotate ``k_pe`` and the
+        queries' ``q_pe [T, h, rope_dim]`` (a view of ``q``) with RoPE, all in place, then write ``kv``'s rows.
 
-        Both are views of ``kv_a_proj_with_mqa``'s output ``[T, row_dim]``, the latent normalised in
-        place: once RoPE has rotated ``k_pe`` (in place too), that output is the step's cache rows
-        ``[latent | k_pe]``, written without a copy (``_joined``)."""
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
-        norm = self.kv_a_layernorm
-        return rms_norm(latent, norm.weight, norm.eps, in_place=True), k_pe
+        Three ops, chapters 03, 04 and 12; on the GPU one kernel does all three
+        (:func:`~dsv2_lib.ops.latent_rows.latent_rows_`, chapter 14), with the same bits."""
+        c, norm = self.cfg, self.kv_a_layernorm
+        if fused_applies(kv, q_pe, norm.weight, cache.view(-1, cache.shape[-1])):
+            paged, rows = as_paged(batch, cache)
+            latent_rows_(kv, q_pe, norm.weight, norm.eps, positions, rope_cache, rows, paged.slot_mapping,
+                         max_position=batch.last_position, max_slot=paged.max_slot)
+            return
+        latent, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        rms_norm(latent, norm.weight, norm.eps, in_place=True)
+        apply_rope_(q_pe, k_pe, positions, rope_cache, batch.last_position)
+        write_latent_cache(cache, batch, kv)
 
     def split_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv_b_proj.weight`` as ``W_k [h, qk_nope, kv_lora]`` and ``W_v [h, v_head, kv_lora]`` (views)."""
@@ -114,11 +124,10 @@ class MLA(nn.Module):
         side = kernels.use_kernels(x) and x.shape[0] <= self.tuning.q_stream_max_tokens  # two small GEMMs and a norm, side by side
         with streams.fork(x.device, side) as q_ready:
             q = self.project_q(x)
-        latent, k_pe = self.project_latent(x)
+        kv = self.kv_a_proj_with_mqa(x)  # [T, row_dim] = [latent | k_pe], raw
         streams.join(q_ready, x.device)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        apply_rope_(q_pe, k_pe, positions, rope_cache, batch.last_position)  # in place, on the strided views of q and kv_a's output
-        write_latent_cache(cache, batch, _joined(latent, k_pe))
+        self.cache_rows(kv, q_pe, positions, rope_cache, batch, cache)  # normalise, rotate (q_pe too), write
         attend = self.decode_attention if batch.decode else self.prefill_attention
         out = attend(q_nope, q_pe, batch, cache)
         return self.o_proj(out.to(x.dtype).flatten(1))

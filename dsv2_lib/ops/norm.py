@@ -15,7 +15,7 @@ from dsv2_lib.core import kernels
 from dsv2_lib.core.dtypes import empty_param, upcast
 from dsv2_lib.core.kernels import CUDA_TYPE
 
-ROW_VECS = 4  # 16-byte vectors each thread keeps in registers (rmsnorm.cu's ROW_VECS)
+ROW_VECS = 4  # 16-byte vectors each thread keeps in registers (rmsnorm.cuh's ROW_VECS)
 RMSNORM_CU = kernels.declare(
     "rmsnorm.cu",
     [f"{k}<{t}, {v}>" for k in ("rms_norm", "fused_add_rms_norm") for t in CUDA_TYPE.values() for v in ("true", "false")],

@@ -6,8 +6,8 @@ every step of every layer on both sides, and name the first step whose output di
 Both engines read the same safetensors files, and our module names are the checkpoint's, so the
 steps line up by name: the embedding, each layer's ``input_layernorm``, query and latent projections,
 RoPE, attention, ``post_attention_layernorm`` and MLP/MoE, the final norm and the logits. RoPE is
-no module on either side; the tool wraps the function each side calls (ours: ``apply_rope_``;
-transformers: ``apply_rotary_emb``) for the duration of the run. Outputs are compared with a
+no module on either side; the tool wraps the function each side calls (ours: ``MLA.cache_rows``, which
+rotates in place; transformers: ``apply_rotary_emb``) for the duration of the run. Outputs are compared with a
 tolerance scaled to the dtype (two correct engines differ only in the order of their sums), and the
 first step outside it is the answer: every step before it agrees, so the bug is in that step.
 """
@@ -108,8 +108,9 @@ def _rope_recorder(rec: Recorder, ours: bool):
     def record(args, result):
         i = calls[0]
         calls[0] += 1
-        if ours:  # apply_rope_(q_pe [T, h, d], k_pe [T, d] or [T, 1, d], ...) rotates in place
-            q, k = args[0], args[1]
+        if ours:  # MLA.cache_rows(self, kv [T, R + d], q_pe [T, h, d], ...) rotates q_pe and kv[:, R:] in place
+            q = args[2]
+            k = args[1][:, -q.shape[-1]:]
         else:  # apply_rotary_emb(q_pe [B, h, T, d], k_pe [B, 1, T, d], ...) -> (q, k)
             q, k = (r[0].transpose(0, 1) for r in result)
         rec.put(f"layer {i} rope q_pe", q)
@@ -122,7 +123,7 @@ def run_ours(llm: LLM, ids: list[int]) -> Recorder:
     cfg = llm.config
     rec = Recorder()
     with _hooks(llm.model, _module_steps(cfg.num_hidden_layers, cfg.q_lora_rank is not None), rec), \
-            _wrapped(our_mla, "apply_rope_", _rope_recorder(rec, ours=True)):
+            _wrapped(our_mla.MLA, "cache_rows", _rope_recorder(rec, ours=True)):
         rec.put("logits", llm.logits(ids))
     return rec
 
