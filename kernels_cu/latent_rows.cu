@@ -1,4 +1,4 @@
-// The step's cache rows in one launch (chapter 14): for each token t, what chapters 03, 04 and 12 do
+// The step's cache rows in one launch (chapter 04): for each token t, what chapters 03, 04 and 12 do
 // in three kernels, with their device functions, so the bits are the same:
 //
 //   kv[t, :R] = rms_norm(kv[t, :R]) * w             kv_a_layernorm on the latent, in place   (rmsnorm.cuh)

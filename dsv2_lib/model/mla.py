@@ -93,7 +93,7 @@ class MLA(nn.Module):
         queries' ``q_pe [T, h, rope_dim]`` (a view of ``q``) with RoPE, all in place, then write ``kv``'s rows.
 
         Three ops, chapters 03, 04 and 12; on the GPU one kernel does all three
-        (:func:`~dsv2_lib.ops.latent_rows.latent_rows_`, chapter 14), with the same bits."""
+        (:func:`~dsv2_lib.ops.latent_rows.latent_rows_`, chapter 04), with the same bits."""
         c, norm = self.cfg, self.kv_a_layernorm
         if fused_applies(kv, q_pe, norm.weight, cache.view(-1, cache.shape[-1])):
             paged, rows = as_paged(batch, cache)

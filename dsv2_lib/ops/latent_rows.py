@@ -1,4 +1,4 @@
-"""A step's latent cache rows in one launch (chapter 14): ``kv_a_layernorm``, RoPE and the cache write fused.
+"""A step's latent cache rows in one launch (chapter 04): ``kv_a_layernorm``, RoPE and the cache write fused.
 
 Between its projections and its attention, an MLA layer runs three small kernels on the same few
 rows: :func:`~dsv2_lib.ops.norm.rms_norm` normalises the latent of ``kv [T, R + d]``
