@@ -46,9 +46,11 @@ def three_kernels(q_pe, kv, w, pos, table, cache, slots, R):
     write_cache_rows(cache, kv, slots, max_slot=cache.shape[0] - 1)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T, h, R", [(1, 16, 512), (5, 16, 512), (300, 16, 512), (3, 1, 512), (7, 3, 64),
-                                     (2, 16, 1024)])
+SHAPES = [(1, 16, 512), (5, 16, 512), (300, 16, 512), (3, 1, 512), (7, 3, 64)]
+
+
+@pytest.mark.parametrize("T, h, R, dtype", [(*s, t) for s in SHAPES for t in DTYPES]
+                         + [(2, 16, 1024, t) for t in (torch.float16, torch.bfloat16)])  # the widest latent one warp holds
 def test_bit_identical_to_the_three_kernels(T, h, R, dtype, table):
     d = 64
     q, kv, w, pos, cache, slots = case(T, h, R, d, dtype, seed=T + h)
@@ -84,9 +86,9 @@ def test_what_the_kernel_refuses(table):
     with pytest.raises(TypeError, match="latent_rows positions: dtype torch.int32"):
         latent_rows_(kv, q[..., 128:], w, 1e-6, pos.int(), table, cache, slots, max_position=P - 1, max_slot=63)
     # what one warp cannot hold, or 16-byte vectors cannot read, is left to the three ops
-    big = torch.zeros(4, 2048 + 64, dtype=torch.bfloat16, device="cuda")
-    assert not fused_applies(big, q[..., 128:], torch.ones(2048, dtype=torch.bfloat16, device="cuda"),
-                             torch.zeros(8, 2048 + 64, dtype=torch.bfloat16, device="cuda"))
+    for dtype, R in ((torch.bfloat16, 2048), (torch.float32, 1024)):  # 256 vectors: more than 32 lanes x ROW_VECS
+        q32, kv32, w32, _, cache32, _ = case(4, 16, R, 64, dtype, rows=8)
+        assert not fused_applies(kv32, q32[..., 128:], w32, cache32)
     odd = torch.zeros(4, 577, dtype=torch.bfloat16, device="cuda")[:, 1:]
     assert not fused_applies(odd, q[..., 128:], w, cache)
     assert not fused_applies(kv, q[..., 128:], w.float(), cache)
