@@ -51,7 +51,8 @@ PER_SEQUENCE = CONTEXT // BLOCK + 1  # blocks per sequence: its context and the 
 KINDS = (("linear_gemv", "projections (our GEMV)"), ("linear_skinny", "projections (our skinny GEMM)"),
          ("mla_absorb", "MLA absorbed products"),
          ("mla_decode", "MLA decode attention"), ("moe_route", "MoE routing"), ("topk", "MoE routing"),
-         ("moe", "MoE experts"), ("latent_rows", "latent rows (norm, RoPE, cache write)"), ("rms_norm", "RMSNorm"), ("rope", "RoPE"), ("cache", "cache write"),
+         ("moe", "MoE experts"), ("latent_rows", "latent rows (norm, RoPE, cache write)"), ("rms_norm", "RMSNorm"),
+         ("rope", "RoPE"), ("cache", "cache write"),
          ("embed", "embedding"), ("nvjet", "cuBLAS"), ("gemm", "cuBLAS"), ("cutlass", "cuBLAS"), ("sm90", "cuBLAS"),
          ("silu", "SwiGLU"))
 
