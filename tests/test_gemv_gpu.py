@@ -9,6 +9,8 @@ The skinny GEMM's sums run on the tensor cores: each mma adds 16 products to its
 warp chains K / (16 SKINNY_WARPS) of them and the block adds its SKINNY_WARPS partials; the test allows
 an error of 2^-23 (the tensor cores may truncate rather than round) per addition of that chain.
 """
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from dsv2_lib.model.layers import Linear
 from dsv2_lib.ops.gemv import (
     GEMV_MAX_TOKENS,
+    SKINNY_MAX_TOKENS,
     SKINNY_WARPS,
     TOKENS_COMPILED,
     gemv_applies,
@@ -172,3 +175,25 @@ def test_linear_takes_the_skinny_gemm_past_the_gemv_up_to_its_threshold():
     layer = Linear(2048, 576, 2, 16).to(device="cuda", dtype=torch.bfloat16)
     layer.weight.data.copy_(w)
     assert torch.equal(layer(x), linear_skinny(x, w))
+
+
+def test_the_lm_head_takes_the_paths_of_every_linear():
+    """``compute_logits`` (tied or untied head), in fp32: the GEMV up to ``gemv_max_tokens`` rows, the skinny
+    GEMM up to ``skinny_max_tokens``, ``F.linear`` beyond."""
+    from dsv2_lib.core.config import TINY
+    from dsv2_lib.core.dtypes import default_dtype
+    from dsv2_lib.model.deepseek_v2 import DeepseekV2
+
+    for tied in (False, True):
+        with torch.device("cuda"), default_dtype(torch.bfloat16):
+            model = DeepseekV2(dataclasses.replace(TINY, tie_word_embeddings=tied))
+        w = model.lm_head_weight
+        w.data.copy_(torch.randn_like(w, dtype=torch.float32).to(w.dtype) / 16)
+        x = torch.randn(9, TINY.hidden_size, device="cuda").to(torch.bfloat16)
+        gemv, skinny = model.logits_thresholds
+        assert (gemv, skinny) == (GEMV_MAX_TOKENS, SKINNY_MAX_TOKENS) and TINY.vocab_size % 16 == 0
+        for t in range(1, skinny + 2):
+            want = (linear(x[:t], w, max_tokens=t) if t <= gemv else linear_skinny(x[:t], w) if t <= skinny
+                    else F.linear(x[:t], w))
+            assert torch.equal(model.compute_logits(x[:t]), want.float())
+        assert model.compute_logits(x[:1]).dtype == torch.float32
