@@ -45,6 +45,8 @@ def test_the_solution_passes_on_the_gpu(name):
 
 @gpu
 @pytest.mark.parametrize("name, old, new, says", [
+    ("embedding_kernel", "weight[id * hidden + c]", "weight[t * hidden + c]", "case 2 of 5 (ids [3] into weight"),
+    ("embedding_kernel", "id = ids[t]", "id = ids[0]", "case 2 of 5"),  # every token gets the first id's row
     ("rms_norm_kernel", "partial[0] / cols + eps", "partial[0] / cols", "case 6 of 6 (x [2, 64] float32 of zeros"),
     ("rms_norm_kernel", "row[c] * scale * weight[c]", "row[c] * scale", "expected"),  # weight forgotten
     ("rms_norm_kernel", "partial[0] / cols", "partial[0] / blockDim.x", "case 1 of 6 (x [1, 1] float32"),  # wrong mean

@@ -12,6 +12,9 @@ Each kernel is ``extern "C"`` (a plain name to look up) and works in float32; th
 by the exercise, so the signature and the grid are part of the task (the launchers name each argument
 as the signature below does, and :func:`~dsv2_lib.core.kernels.bind` puts them in its order):
 
+* ``embedding_kernel`` (chapter 02): ``embedding(const long long* ids, const float* weight, float* out,
+  int hidden)``, one block of 256 threads per id of ``ids [n]``, copying row ``ids[t]`` of ``weight [V, hidden]``
+  to row ``t`` of ``out [n, hidden]`` (the ids are in range: the reference refuses the others first).
 * ``rms_norm_kernel`` (chapter 03): ``rms_norm(const float* x, const float* weight, float* out,
   int cols, float eps)``, one block of 256 threads per row of ``x [rows, cols]``.
 * ``silu_and_mul_kernel`` (chapter 07): ``silu_and_mul(const float* x, float* out, int rows, int inter)``,
@@ -33,10 +36,11 @@ import torch
 
 from dsv2_lib.core import kernels
 from dsv2_lib.lessons.exercises import _Case, _difference
-from dsv2_lib.ops import activation, norm
+from dsv2_lib.ops import activation, embedding, norm
 
 THREADS = 256  # threads per block of every exercise's launch
-RMS_NORM_PARAMS = ("x", "weight", "out", "cols", "eps")  # the exercises' signatures (module doc)
+EMBEDDING_PARAMS = ("ids", "weight", "out", "hidden")  # the exercises' signatures (module doc)
+RMS_NORM_PARAMS = ("x", "weight", "out", "cols", "eps")
 SILU_PARAMS = ("x", "out", "rows", "inter")
 GUARD = 1024  # marked floats after each launch's ``out``: a store past its end lands there
 FILL_BITS = 0x7FA5A5A5  # the mark: a NaN with a payload no arithmetic produces (a computed NaN is 0x7FFFFFFF)
@@ -56,6 +60,27 @@ class _KernelExercise:
     reference: Callable
     cases: Callable[[], list[_Case]]
     launch: Callable
+
+
+def _embedding_cases() -> list[_Case]:
+    g = torch.Generator().manual_seed(2)
+    cases = []
+    for n, v, h in [(1, 1, 1), (3, 10, 7), (5, 64, 256), (4, 50, 300), (37, 1000, 2048)]:
+        ids = torch.randint(0, v, (n,), generator=g)
+        ids[0], ids[-1] = 0, v - 1  # the table's first and last rows
+        if n >= 3:
+            ids[1] = v - 1  # an id twice
+        cases.append(_Case(f"ids [{n}] into weight [{v}, {h}] float32", (ids, torch.randn(v, h, generator=g))))
+    return cases
+
+
+def _launch_embedding(fn, ids, weight):
+    ids, weight = ids.cuda().contiguous(), weight.cuda().contiguous()
+    out, guard = _nan_out((ids.shape[0], weight.shape[1]), weight.device)
+    args = dict(ids=kernels.ptr(ids), weight=kernels.ptr(weight), out=kernels.ptr(out),
+                hidden=np.int32(weight.shape[1]))
+    kernels.launch(fn, (ids.shape[0],), (THREADS,), kernels.bind(EMBEDDING_PARAMS, args, "embedding", "the exercise"))
+    return out.cpu(), guard.cpu()
 
 
 def _rms_norm_cases() -> list[_Case]:
@@ -106,6 +131,8 @@ def _launch_silu(fn, x):
 
 
 KERNEL_EXERCISES = {
+    "embedding_kernel": _KernelExercise("02", "embedding", embedding.embedding_reference, _embedding_cases,
+                                        _launch_embedding),
     "rms_norm_kernel": _KernelExercise("03", "rms_norm", norm.rms_norm_reference, _rms_norm_cases, _launch_rms_norm),
     "silu_and_mul_kernel": _KernelExercise("07", "silu_and_mul", activation.silu_and_mul_reference, _silu_cases,
                                            _launch_silu),
