@@ -254,7 +254,7 @@ def prefill_roofline_tokens_per_s(
     """Limit on prefill throughput. Without ``tokens``: the compute bound (V2-Lite, H200: about
     176,000/s), the limit of long prompts. With ``tokens``, the prompt tokens of one forward pass, the
     weight read too: the pass reads every weight its tokens touch (:func:`decode_bytes_per_step` at
-    context 0), and a few hundred tokens touch all of V2-Lite's experts, so below about 1,300 tokens
+    context 0; some 64 tokens touch nearly all of V2-Lite's 64 experts), so below about 1,300 tokens
     the read sets the limit (1 × 512 on an H200: about 69,000/s).
     """
     compute = flops / prefill_flops_per_token(cfg)
