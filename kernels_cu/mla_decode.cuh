@@ -266,7 +266,7 @@ __device__ __forceinline__ void attend_rows(
         // access phase hit 8 different groups of 4 banks. Step 1: warp w finishes floats [w·SF, (w+1)·SF) of
         // every lane's 16 — the sum over all warps' partials, in warp order — and leaves it in warp 0's slot
         // (only warp w reads or writes those floats). Step 2: every warp reads the 16 sums. Each warp loads
-        // WARPS·SF + 16 floats a lane instead of WARPS·16: the exchange no longer grows with the block.
+        // WARPS·SF + 16 floats a lane instead of WARPS·16, so the exchange does not grow with the block.
         float* my_ss = ss + (warp * 32 + lane) * SS_PITCH;
 #pragma unroll
         for (int j = 0; j < NT_S; ++j)
