@@ -534,7 +534,7 @@ moe_gemv_down_combine(T* __restrict__ out, const T* __restrict__ h, const T* __r
 // tensor_core.cuh): a token's sums run in the same order whatever NT, so its result does not depend on
 // its tile's size.
 // 32 bytes per thread and step (128 per row and warp) keep enough loads in flight (chapter 08's
-// exercise 6 weighs 16 against 32). Tiles of 16 rather than 8 tokens halve the weight reads of an
+// exercise 5 weighs 16 against 32). Tiles of 16 rather than 8 tokens halve the weight reads of an
 // expert that gets 9 to 16 choices (most of them from batch 128 on); 32 need too many registers
 // (benchmarks/bench_moe.py weighs 8, 16 and 32).
 // One warp owns 16 output columns over the whole K (GATE_UP: 16 gate rows and the 16 matching up rows,

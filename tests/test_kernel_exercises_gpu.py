@@ -4,6 +4,7 @@ line that names the case and what differs."""
 import shutil
 
 import pytest
+import torch
 from notebook_solutions import solutions
 
 from dsv2_lib.lessons.kernel_exercises import KERNEL_EXERCISES, grade_kernel
@@ -36,6 +37,15 @@ def test_without_a_gpu_the_solution_compiles_and_a_typo_does_not(name, monkeypat
     assert passed is False and line.startswith(f"✗ {name}: does not compile: line ") and 'no member "q"' in line, line
 
 
+def test_the_combine_reference_sums_the_picks_through_their_slots():
+    """Chapter 08's spec on a case by hand: token 0's second pick was dropped (slot -1), token 1's picks
+    read sorted rows 0 and 3 with their own weights."""
+    y = torch.tensor([[1.0], [10.0], [100.0], [1000.0]])
+    weights = torch.tensor([[0.5, 9.0], [2.0, 0.25]])
+    slot_of = torch.tensor([2, -1, 0, 3], dtype=torch.int32)
+    assert torch.equal(KERNEL_EXERCISES["combine_kernel"].reference(y, weights, slot_of), torch.tensor([[50.0], [252.0]]))
+
+
 @gpu
 @pytest.mark.parametrize("name", sorted(KERNEL_EXERCISES))
 def test_the_solution_passes_on_the_gpu(name):
@@ -52,6 +62,9 @@ def test_the_solution_passes_on_the_gpu(name):
     ("rms_norm_kernel", "partial[0] / cols", "partial[0] / blockDim.x", "case 1 of 6 (x [1, 1] float32"),  # wrong mean
     ("silu_and_mul_kernel", "gate / (1.f + expf(-gate)) * up", "gate * up", "case 1 of 5 (x [1, 2] float32)"),
     ("silu_and_mul_kernel", "x[r * 2 * inter + inter + c]", "x[r * 2 * inter + c]", "expected"),  # up = gate
+    ("combine_kernel", "weights[t * k + j]", "weights[j]", "case 2 of 5 (T 3, k 2"),  # token 0's weights for all
+    ("combine_kernel", "acc += weights", "acc = weights", "case 2 of 5"),  # only the last pick kept
+    ("combine_kernel", "y[(long long)slot * hidden + c]", "y[(t * k + j) * hidden + c]", "case 2 of 5"),  # unsorted
 ])
 def test_a_wrong_kernel_fails_with_the_case_and_the_element(name, old, new, says):
     """Every planted mistake stays inside the buffers: a kernel that reads past them would be caught by

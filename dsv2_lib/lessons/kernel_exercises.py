@@ -19,6 +19,10 @@ as the signature below does, and :func:`~dsv2_lib.core.kernels.bind` puts them i
   int cols, float eps)``, one block of 256 threads per row of ``x [rows, cols]``.
 * ``silu_and_mul_kernel`` (chapter 07): ``silu_and_mul(const float* x, float* out, int rows, int inter)``,
   one thread per output element of ``out [rows, inter]``, blocks of 256 threads, for ``x [rows, 2 * inter]``.
+* ``combine_kernel`` (chapter 08): ``combine(const float* y, const float* weights, const int* slot_of,
+  float* out, int k, int hidden)``, one block of 256 threads per token of ``out [T, hidden]``: row ``t`` is
+  the sum over the picks ``j = 0 .. k-1``, in that order, of ``weights[t*k + j] * y[slot_of[t*k + j]]``,
+  a pick whose slot is -1 (a dropped choice) skipped (:func:`_combine_reference`).
 """
 from __future__ import annotations
 
@@ -37,11 +41,13 @@ import torch
 from dsv2_lib.core import kernels
 from dsv2_lib.lessons.exercises import _Case, _difference
 from dsv2_lib.ops import activation, embedding, norm
+from dsv2_lib.ops.moe_routing import moe_align_reference
 
 THREADS = 256  # threads per block of every exercise's launch
 EMBEDDING_PARAMS = ("ids", "weight", "out", "hidden")  # the exercises' signatures (module doc)
 RMS_NORM_PARAMS = ("x", "weight", "out", "cols", "eps")
 SILU_PARAMS = ("x", "out", "rows", "inter")
+COMBINE_PARAMS = ("y", "weights", "slot_of", "out", "k", "hidden")
 GUARD = 1024  # marked floats after each launch's ``out``: a store past its end lands there
 FILL_BITS = 0x7FA5A5A5  # the mark: a NaN with a payload no arithmetic produces (a computed NaN is 0x7FFFFFFF)
 
@@ -131,12 +137,53 @@ def _launch_silu(fn, x):
     return out.cpu(), guard.cpu()
 
 
+def _combine_reference(y: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor) -> torch.Tensor:
+    """Chapter 08's combine in fp32: ``out [T, H]``, row t = Σ_j weights[t, j] · y[slot_of[t·k + j]] over the
+    picks j = 0 .. k-1 in order, a slot of -1 skipped. ``y [rows, H]``: the experts' outputs in sorted
+    order; ``weights [T, k]`` fp32; ``slot_of [T·k]`` int32 (:func:`~dsv2_lib.ops.moe_routing.moe_align_reference`)."""
+    t, k = weights.shape
+    slots = slot_of.view(t, k).long()
+    out = torch.zeros(t, y.shape[1])
+    for j in range(k):  # the kernel's order: pick 0 first
+        kept = slots[:, j] >= 0
+        out[kept] += weights[kept, j, None] * y[slots[kept, j]]
+    return out
+
+
+def _combine_cases() -> list[_Case]:
+    """The experts' outputs ``y`` in the order ``moe_align_reference`` sorts the choices into (16-row
+    tiles, padding rows included); in the last two cases some choices are dropped (slot -1)."""
+    g = torch.Generator().manual_seed(8)
+    cases = []
+    for t, k, e, h, dropped in [(1, 1, 1, 1, 0), (3, 2, 4, 7, 0), (5, 6, 64, 300, 0), (4, 6, 16, 2048, 3),
+                                (7, 3, 8, 33, 5)]:
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+        _, slot_of, _, _ = moe_align_reference(ids, e, 16)
+        slot_of = slot_of.clone()
+        slot_of[torch.randperm(t * k, generator=g)[:dropped]] = -1
+        rows = (t * k + e * 15) // 16 * 16  # moe_align_reference's cap
+        what = f"T {t}, k {k}, y [{rows}, {h}] float32" + (f", {dropped} choices dropped" if dropped else "")
+        cases.append(_Case(what, (torch.randn(rows, h, generator=g), torch.rand(t, k, generator=g), slot_of)))
+    return cases
+
+
+def _launch_combine(fn, y, weights, slot_of):
+    y, weights, slot_of = y.cuda().contiguous(), weights.cuda().contiguous(), slot_of.cuda().contiguous()
+    t, k = weights.shape
+    out, guard = _nan_out((t, y.shape[1]), y.device)
+    args = dict(y=kernels.ptr(y), weights=kernels.ptr(weights), slot_of=kernels.ptr(slot_of), out=kernels.ptr(out),
+                k=np.int32(k), hidden=np.int32(y.shape[1]))
+    kernels.launch(fn, (t,), (THREADS,), kernels.bind(COMBINE_PARAMS, args, "combine", "the exercise"))
+    return out.cpu(), guard.cpu()
+
+
 KERNEL_EXERCISES = {
     "embedding_kernel": _KernelExercise("02", "embedding", embedding.embedding_reference, _embedding_cases,
                                         _launch_embedding, exact=True),
     "rms_norm_kernel": _KernelExercise("03", "rms_norm", norm.rms_norm_reference, _rms_norm_cases, _launch_rms_norm),
     "silu_and_mul_kernel": _KernelExercise("07", "silu_and_mul", activation.silu_and_mul_reference, _silu_cases,
                                            _launch_silu),
+    "combine_kernel": _KernelExercise("08", "combine", _combine_reference, _combine_cases, _launch_combine),
 }
 
 
