@@ -84,6 +84,18 @@ def test_the_skinny_gemm_takes_the_run_after_the_gemv():
     assert recommend_moe(sweep(rows, NAMES)) == MoETuning(gemv_max_tokens=8, skinny_max_tokens=64, grouped_mm_min_tokens=1)
 
 
+def test_the_one_launch_router_takes_its_leading_run_of_wins():
+    """It wins at 8, 16 and 32 tokens, loses at 64, wins again at 128: the threshold is 32 (a later win does
+    not extend the run); with no router rows the base's threshold stays."""
+    rows = [{"tokens": t, "few_ms": f, "gemm_ms": g}
+            for t, f, g in [(8, 0.003, 0.009), (16, 0.004, 0.009), (32, 0.006, 0.010), (64, 0.012, 0.011),
+                            (128, 0.010, 0.012)]]
+    assert recommend_moe(sweep(MEASURED_SKINNY, NAMES), router=rows).router_few_max_tokens == 32
+    assert recommend_moe(sweep(MEASURED_SKINNY, NAMES), router=rows[3:4]).router_few_max_tokens == 0
+    base = MoETuning(router_few_max_tokens=17)
+    assert recommend_moe(sweep(MEASURED_SKINNY, NAMES), base=base).router_few_max_tokens == 17
+
+
 # ---- the attention and GEMV rules, and choose ------------------------------------------------------------
 
 def attention_rows(pairs):

@@ -249,6 +249,44 @@ def test_route_few_gives_topk_softmax_picks_and_the_shared_rows(name, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["lite", "group_limited"])
+def test_router_few_is_route_few_without_the_shared_experts(name, dtype):
+    """Tens of tokens, the router alone: the picks and weights route_few gives (the same launch without the
+    shared blocks), and topk_softmax's ids on cuBLAS's fp32 logits (random data: no near-ties); at 5, 33
+    and 128 tokens, past the arrival counters of a few-token step, which it leaves at zero."""
+    cfg, layer = few_layer(name, 2, dtype)
+    for t in (5, 33, 128):
+        x = torch.randn(t, 256, device="cuda").to(dtype)
+        assert moe_routing.router_few_applies(x, layer.gate.weight, cfg), t
+        weights, ids = moe_routing.router_few(x, layer.gate.weight, cfg)
+        w2, ids2, _, _ = moe_routing.route_few(x, layer.gate.weight, cfg)
+        assert torch.equal(ids, ids2) and torch.equal(weights, w2), t
+        w3, ids3 = topk_softmax(torch.nn.functional.linear(x.float(), layer.gate.weight), cfg)
+        assert torch.equal(ids, ids3) and torch.allclose(weights, w3, rtol=1e-5, atol=1e-7), t
+        assert not moe_routing._COUNTERS[0].any()
+
+
+def test_the_layer_routes_in_one_launch_up_to_its_threshold(monkeypatch):
+    """MoE.forward past the few-token path: the router is router_few up to router_few_max_tokens tokens,
+    the fp32 GEMM and topk_softmax beyond; the two give the same picks here, so outputs agree to the
+    rounding of their weights (``close``)."""
+    cfg, layer = few_layer("lite", 2, torch.bfloat16)
+    used = []
+    for name in ("router_few", "topk_softmax"):
+        real = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, real=real, name=name: (used.append(name), real(*a))[1])
+    layer.tuning = MoETuning(router_few_max_tokens=8)
+    x = torch.randn(8, 256, device="cuda").to(torch.bfloat16)
+    one = layer(x)
+    assert used == ["router_few"]
+    used.clear()
+    layer.tuning = MoETuning(router_few_max_tokens=7)
+    two = layer(x)
+    assert used == ["topk_softmax"]
+    assert close(one, two, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_combine_is_deterministic(dtype):
     """The per-choice GEMV's down launch also combines: one block per (token, column slab) computes all
     of its token's choices and sums them in pick order, so every run gives the same bits. 33 tokens: more

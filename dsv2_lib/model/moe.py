@@ -3,7 +3,8 @@ experts see every token.
 
 The layer holds the weights and picks the ops (``ops/moe_routing.py``: router and alignment;
 ``ops/moe_experts.py``: the experts' kernels, the combine, and the :class:`MoETuning` thresholds that
-choose among them): ``moe_few`` for a few tokens, else the router GEMM, ``topk_softmax`` and
+choose among them): ``moe_few`` for a few tokens, else the router (one launch up to
+``tuning.router_few_max_tokens`` tokens, beyond it the fp32 GEMM and ``topk_softmax``) and
 ``moe_experts``, the shared MLP on a side stream up to ``tuning.shared_stream_max_tokens`` tokens.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dsv2_lib.core.dtypes import empty_param, upcast
 from dsv2_lib.model.mlp import MLP
 from dsv2_lib.ops.gemv import GEMV_MAX_TOKENS, SKINNY_MAX_TOKENS
 from dsv2_lib.ops.moe_experts import MoETuning, few_applies, moe_experts, moe_few
-from dsv2_lib.ops.moe_routing import topk_softmax
+from dsv2_lib.ops.moe_routing import router_few, router_few_applies, topk_softmax
 
 
 class Experts(nn.Module):
@@ -61,7 +62,12 @@ class MoE(nn.Module):
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         if few_applies(x, self.cfg, self.gate.weight, gate_up, down, shared_w, self.tuning):
             return moe_few(x, self.gate.weight, self.cfg, gate_up, down, shared_w)
-        logits = F.linear(upcast(x), self.gate.weight)
+        one_launch = x.shape[0] <= self.tuning.router_few_max_tokens and router_few_applies(x, self.gate.weight,
+                                                                                             self.cfg)
+        if one_launch:
+            weights, ids = router_few(x, self.gate.weight, self.cfg)
+        else:
+            logits = F.linear(upcast(x), self.gate.weight)
         shared, shared_ready = None, None
         if sh is not None:
             # Tens of tokens: the shared experts do not depend on the routing, so they run on the side
@@ -69,5 +75,6 @@ class MoE(nn.Module):
             side = kernels.use_kernels(x) and x.shape[0] <= self.tuning.shared_stream_max_tokens
             with streams.fork(x.device, side) as shared_ready:
                 shared = sh(x)
-        weights, ids = topk_softmax(logits, self.cfg)
+        if not one_launch:
+            weights, ids = topk_softmax(logits, self.cfg)
         return moe_experts(x, weights, ids, gate_up, down, shared, shared_ready, self.tuning)

@@ -61,7 +61,9 @@ class MoETuning:
       (1: always; it beat our mma kernel at every size, which stays the fp16 path);
     * ``fp32_gemv_max_tokens``: fp32 has no tensor-core path here: the GEMV kernels up to this, the reference beyond;
     * ``shared_stream_max_tokens``: beyond the GEMV path, up to this many tokens the shared experts run
-      on a side stream (``core/streams.py``) beside the router and the routed experts.
+      on a side stream (``core/streams.py``) beside the router and the routed experts;
+    * ``router_few_max_tokens``: beyond the GEMV path, up to this many tokens the router is one launch,
+      ``moe_route_few`` alone (``moe_routing.router_few``); beyond it, the fp32 GEMM and ``topk_softmax``.
     """
 
     gemv_max_tokens: int = 4
@@ -69,6 +71,7 @@ class MoETuning:
     grouped_mm_min_tokens: int = 1
     fp32_gemv_max_tokens: int = 64
     shared_stream_max_tokens: int = 16
+    router_few_max_tokens: int = 64
 
 
 def choose_path(t: int, dtype: torch.dtype, e: int, h: int, i: int, tuning: MoETuning = MoETuning(),

@@ -228,18 +228,46 @@ def route_few(x: torch.Tensor, gate_w: torch.Tensor, cfg: ModelConfig, shared_ga
     of hid from ``T·k`` on hold the shared experts' SwiGLU output: row ``T·k + t·P + p`` is part p of
     token t, the columns ``[p·I, (p+1)·I)`` of the shared MLP (``shared_gate_up [2·P·I, H]``, P = 0
     without it); the first ``T·k`` rows are for ``moe_experts.gemv_gate_up`` to fill."""
+    t, k, i = x.shape[0], cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    parts = 0 if shared_gate_up is None else shared_gate_up.shape[0] // (2 * i)
+    hid = torch.empty(t * (k + parts), i, dtype=x.dtype, device=x.device)
+    return (*_launch_route_few(x, gate_w, cfg, shared_gate_up, parts, hid), hid)
+
+
+def router_few(x: torch.Tensor, gate_w: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router alone for tens of tokens (``router_few_applies`` inputs): ``moe_route_few`` without the
+    shared experts, one launch in place of the fp32 copy of ``x``, the fp32 GEMM and ``topk_softmax``.
+    Returns (weights ``[T, k]`` fp32, ids ``[T, k]`` int64), ``topk_softmax``'s picks on its logits."""
+    weights, ids, _ = _launch_route_few(x, gate_w, cfg, None, 0, None)
+    return weights, ids
+
+
+def router_few_applies(x: torch.Tensor, gate_w: torch.Tensor, cfg: ModelConfig) -> bool:
+    """:func:`router_few` can take ``x [T, H]``: kernels on, T > 0, ``x`` of a kernel dtype, contiguous and
+    16-byte aligned with H a multiple of 8 (16-byte vectors of it and of the fp32 router rows), an fp32
+    router ``gate_w [E, H]``, contiguous and aligned, and a routing the one-warp router takes."""
+    if not kernels.use_kernels(x) or x.dim() != 2 or x.shape[0] == 0 or x.dtype not in CUDA_TYPE:
+        return False
+    h = x.shape[1]
+    return (h % 8 == 0 and x.is_contiguous() and gate_w.dtype == torch.float32 and gate_w.is_contiguous()
+            and gate_w.shape == (cfg.n_routed_experts, h) and gate_w.device == x.device
+            and kernels.aligned16(x, gate_w) and router_fits(cfg))
+
+
+def _launch_route_few(x, gate_w, cfg, shared_gate_up, parts: int, hid):
+    """One ``moe_route_few`` launch: (weights, ids, logits); ``hid`` receives the shared experts' rows when
+    ``parts`` > 0 (None without them: the kernel then has no shared blocks and never touches it)."""
     t, h = x.shape
     e, k, i = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-    parts = 0 if shared_gate_up is None else shared_gate_up.shape[0] // (2 * i)
     weights = torch.empty(t, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
     logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
-    hid = torch.empty(t * (k + parts), i, dtype=x.dtype, device=x.device)
     blocks = t * -(-e // (GEMV_THREADS // 32)) + t * parts * -(-i // (GEMV_THREADS // 32 * GATE_UP_COLS))
     MOE_CU.launch(f"moe_route_few<{CUDA_TYPE[x.dtype]}>", x.device, (blocks,), (GEMV_THREADS,),
                   weights=kernels.ptr(weights), ids=kernels.ptr(ids), logits=kernels.ptr(logits), x=kernels.ptr(x),
                   gate_w=kernels.ptr(gate_w), T_=np.int32(t), E=np.int32(e), H=np.int32(h), topk=np.int32(k),
-                  **router_args(cfg), arrivals=kernels.ptr(_arrival_counters(t, x.device)), h=kernels.ptr(hid),
+                  **router_args(cfg), arrivals=kernels.ptr(_arrival_counters(t, x.device)),
+                  h=np.uint64(0) if hid is None else kernels.ptr(hid),
                   sh_gate_up=np.uint64(0) if shared_gate_up is None else kernels.ptr(shared_gate_up), I=np.int32(i),
                   P=np.int32(parts))
-    return weights, ids, logits, hid
+    return weights, ids, logits

@@ -5,7 +5,8 @@ defaults are the H200's. This tool times the competing paths on this GPU at Deep
 and picks each threshold where one path stops winning:
 
 * the MoE layer's routed experts, each path forced (GEMV, skinny GEMM, our mma GEMM,
-  ``torch._grouped_mm``) at 1 ... 4,096 tokens: :func:`recommend_moe`, the rule of chapter 08;
+  ``torch._grouped_mm``) at 1 ... 4,096 tokens: :func:`recommend_moe`, the rule of chapter 08; and its
+  router at 8 ... 256 tokens, one ``moe_route_few`` launch against the fp32 GEMM and ``topk_softmax``;
 * prefill attention, our kernel against SDPA, one sequence of 256 ... 8,192 tokens: SDPA from the
   first length where it wins there and at every longer one (:func:`sdpa_from`);
 * the dense projections at 1 ... 4 tokens, the GEMV kernel against cuBLAS: the GEMV up to the last
@@ -40,6 +41,7 @@ MOE_FORCE = {"gemv": MoETuning(gemv_max_tokens=NEVER, skinny_max_tokens=0, group
              "grouped_mm": MoETuning(gemv_max_tokens=0, skinny_max_tokens=0, grouped_mm_min_tokens=1)}
 MOE_PATH_MAX_TOKENS = {"gemv": 64, "skinny": 256}  # the GEMV paths are timed up to here: beyond, far slower
 ATTENTION_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
+ROUTER_TOKENS = (8, 16, 32, 64, 128, 256)  # token counts at which the one-launch router is timed
 SKINNY_TOKENS = (3, 4, 8, 16, 32, 64)  # token counts at which the skinny GEMM is timed against cuBLAS
 PROJECTIONS = {"q_proj": (3072, 2048), "kv_a_proj": (576, 2048), "o_proj": (2048, 2048)}  # V2-Lite's attention
 
@@ -56,16 +58,19 @@ def leading_run(rows: list[dict], wins) -> int:
     return last
 
 
-def recommend_moe(sweep: list[dict], streams: list[dict] = (), base: MoETuning = MoETuning()) -> MoETuning:
+def recommend_moe(sweep: list[dict], streams: list[dict] = (), base: MoETuning = MoETuning(),
+                  router: list[dict] = ()) -> MoETuning:
     """The ``MoETuning`` the sweeps recommend; sets each sweep row's ``"fastest"`` of the paths the engine
     can take. ``sweep``: routed experts alone, each path forced (rows ``{"tokens", "<path>_ms"}`` in
     increasing tokens, a path absent where it was not run); ``streams``: the whole layer with the shared
-    experts on a side stream or not (rows ``{"tokens", "side_ms", "one_ms"}``).
+    experts on a side stream or not (rows ``{"tokens", "side_ms", "one_ms"}``); ``router``: the router as
+    one launch or not (rows ``{"tokens", "few_ms", "gemm_ms"}``, tokens past the GEMV path).
     The GEMV up to the last size of the leading run where it is fastest; then the skinny GEMM up to the
     last size of the run that follows where it is fastest (0: no such run); beyond, grouped_mm from the
     first size where it beats mma at every larger size (1: at every size the kernels before it do not
-    take; ``NEVER``: at none); the side stream up to the end of its leading run of wins. What the sweeps
-    did not measure (no grouped_mm, no streams) keeps ``base``'s value."""
+    take; ``NEVER``: at none); the side stream, and the one-launch router, each up to the end of its
+    leading run of wins. What the sweeps did not measure (no grouped_mm, no streams, no router) keeps
+    ``base``'s value."""
     for r in sweep:
         r["fastest"] = min((r[n + "_ms"], n) for n in MOE_PATHS if n + "_ms" in r)[1]
     gemv_max = leading_run(sweep, lambda r: r["fastest"] == "gemv")
@@ -76,9 +81,10 @@ def recommend_moe(sweep: list[dict], streams: list[dict] = (), base: MoETuning =
     if beyond and mm_min == beyond[0]["tokens"]:
         mm_min = 1
     side_max = leading_run(streams, lambda r: r["side_ms"] < r["one_ms"]) if streams else base.shared_stream_max_tokens
+    router_max = leading_run(router, lambda r: r["few_ms"] < r["gemm_ms"]) if router else base.router_few_max_tokens
     return dataclasses.replace(base, gemv_max_tokens=gemv_max, skinny_max_tokens=skinny_max,
                                grouped_mm_min_tokens=mm_min if beyond else base.grouped_mm_min_tokens,
-                               shared_stream_max_tokens=side_max)
+                               shared_stream_max_tokens=side_max, router_few_max_tokens=router_max)
 
 
 def sdpa_from(rows: list[dict]) -> int:
@@ -89,16 +95,17 @@ def sdpa_from(rows: list[dict]) -> int:
 
 
 def choose(moe_sweep: list[dict], attention_rows: list[dict], gemv_rows: list[dict],
-           base: Tuning = Tuning(), skinny_rows: list[dict] | None = None) -> Tuning:
+           base: Tuning = Tuning(), skinny_rows: list[dict] | None = None, router_rows: list[dict] = ()) -> Tuning:
     """``base`` with the thresholds the measurements set (see the module docstring); without
-    ``skinny_rows`` the skinny GEMM's threshold stays ``base``'s."""
+    ``skinny_rows`` (``router_rows``) the skinny GEMM's (the router's) threshold stays ``base``'s."""
     t = sdpa_from(attention_rows)
     attention = dataclasses.replace(base.attention, sdpa_min_tokens=t, sdpa_min_max_len=t)
     gemv_max = leading_run(gemv_rows, lambda r: all(p["gemv_ms"] < p["cublas_ms"] for p in r["projections"]))
     skinny_max = base.skinny_max_tokens if skinny_rows is None else leading_run(
         [r for r in skinny_rows if r["tokens"] > gemv_max],
         lambda r: all(p["skinny_ms"] < p["cublas_ms"] for p in r["projections"]))
-    return dataclasses.replace(base, moe=recommend_moe(moe_sweep, base=base.moe), attention=attention,
+    moe = recommend_moe(moe_sweep, base=base.moe, router=router_rows)
+    return dataclasses.replace(base, moe=moe, attention=attention,
                                gemv_max_tokens=gemv_max, skinny_max_tokens=skinny_max)
 
 
@@ -210,6 +217,27 @@ def measure_moe(device: torch.device) -> list[dict]:
     return rows
 
 
+def measure_router(device: torch.device) -> list[dict]:
+    """V2-Lite's router (64 experts, hidden 2048, bf16 input, fp32 weight) at :data:`ROUTER_TOKENS`: one
+    ``moe_route_few`` launch against the fp32 GEMM and ``topk_softmax``, rows ``{"tokens", "few_ms", "gemm_ms"}``."""
+    from dsv2_lib.core.config import DEEPSEEK_V2_LITE as cfg
+    from dsv2_lib.ops.moe_routing import router_few, topk_softmax
+
+    torch.manual_seed(0)
+    router = torch.randn(cfg.n_routed_experts, cfg.hidden_size, device=device) * cfg.hidden_size**-0.5
+    rows = []
+    for t in ROUTER_TOKENS:
+        x = torch.randn(t, cfg.hidden_size, device=device).to(torch.bfloat16)
+        router_few(x, router, cfg)  # its arrival counters are made outside the timed graph
+
+        def gemm(x=x):
+            return topk_softmax(torch.nn.functional.linear(x.float(), router), cfg)
+
+        rows.append({"tokens": t, "few_ms": time_cuda_graph(lambda: router_few(x, router, cfg), calls=6),
+                     "gemm_ms": time_cuda_graph(gemm, calls=6)})
+    return rows
+
+
 def measure_attention(device: torch.device) -> list[dict]:
     """Prefill attention of one sequence of each of :data:`ATTENTION_LENGTHS` tokens (16 heads, 128 + 64 /
     128, bf16): our kernel (its variant as the engine picks it) and SDPA as the engine calls it."""
@@ -272,5 +300,6 @@ def calibrate(device: str | torch.device = "cuda") -> tuple[Tuning, dict]:
         raise RuntimeError("calibrate times the engine's CUDA kernels: it needs a CUDA GPU with CuPy working")
     with torch.no_grad():
         measured = {"moe": measure_moe(device), "attention": measure_attention(device), "gemv": measure_gemv(device),
-                    "skinny": measure_skinny(device)}
-    return choose(measured["moe"], measured["attention"], measured["gemv"], skinny_rows=measured["skinny"]), measured
+                    "skinny": measure_skinny(device), "router": measure_router(device)}
+    return choose(measured["moe"], measured["attention"], measured["gemv"], skinny_rows=measured["skinny"],
+                  router_rows=measured["router"]), measured
