@@ -9,21 +9,27 @@
 // shared memory and are added in warp order (fixed: the same result on every run). Block (c, r):
 // rows n0 = 16 c .. n0 + 15 of W, tokens 8 NT r .. 8 NT r + 8 NT - 1 of x (those past T read nothing
 // and write nothing; T = tokens). fp32 accumulation, rounded once, as cuBLAS and linear_gemv do (in other orders).
+// A third grid dimension runs one product per head (MLA's absorbed output, mla_absorb.py): block (c, r, h)
+// reads x + h x_head, w + h w_head and writes y + h y_head; x may be fp32, each value rounded to T as it
+// is read (load8 in tensor_core.cuh). A dense projection has one head.
 // The host checks K % 64 == 0, N % 16 == 0, dtypes, strides and 16-byte alignment (gemv.py).
 #include "tensor_core.cuh"
 
 constexpr int SKINNY_WARPS = DSV2_GEMV_SKINNY_WARPS;  // warps per block, splitting K (set in dsv2_lib/ops/gemv.py)
 
-template <typename T, int NT>
+template <typename T, typename X, int NT>
 __global__ void __launch_bounds__(SKINNY_WARPS * 32)
-linear_skinny(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w, int tokens, int N, int K,
-              long long x_stride, long long y_stride) {
+linear_skinny(T* __restrict__ y, const X* __restrict__ x, const T* __restrict__ w, int tokens, int N, int K,
+              long long x_stride, long long y_stride, long long x_head, long long y_head, long long w_head) {
     wait_for_prior_grids();
     constexpr int W = SKINNY_WARPS;
     __shared__ float part[W][NT * 4][32];  // warp w's partial C fragments, lane-minor (no bank conflicts)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int n0 = blockIdx.x * 16, t0 = blockIdx.y * 8 * NT;
-    const T* xr[NT];  // this thread's input rows: tokens t0 + 8 nt + g (nullptr past T: zeros)
+    x += blockIdx.z * x_head;
+    y += blockIdx.z * y_head;
+    w += blockIdx.z * w_head;
+    const X* xr[NT];  // this thread's input rows: tokens t0 + 8 nt + g (nullptr past T: zeros)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         const int t = t0 + 8 * nt + g;

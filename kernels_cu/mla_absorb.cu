@@ -10,7 +10,9 @@
 // once (one trip to memory), and the query kernel writes q_pe beside q_lat, so the attention kernel's
 // query is ready: 2.6 and 2.4 us at one token. Sums are fp32; the order differs from cuBLAS's, so
 // results may differ from the einsums by one rounding of T (the tests bound both against exact sums).
-#include "common.cuh"
+// For more tokens than those kernels take (decode batches), the query is mla_absorb_query_mma below,
+// on the tensor cores; the output is linear_skinny.cu's kernel with one product per head.
+#include "tensor_core.cuh"
 
 // QUERY_COLS, the query kernel's block and OUT_WARPS are set in dsv2_lib/ops/mla_absorb.py.
 constexpr int QUERY_COLS = DSV2_ABSORB_QUERY_COLS;  // q_lat columns per block of mla_absorb_query: 16 groups of 8
@@ -19,6 +21,7 @@ static_assert(QUERY_SPLITS * 16 == DSV2_ABSORB_QUERY_THREADS && QUERY_SPLITS * 1
 constexpr int QUERY_ROWS_AT_ONCE = 8;   // W_k rows a thread loads before using them
 constexpr int OUT_WARPS = DSV2_ABSORB_OUT_WARPS;  // warps per block of mla_absorb_output, two W_v rows each
 constexpr int OUT_VECS = 4;             // 16-byte vectors per lane and row loaded at once
+constexpr int QMMA_WARPS = DSV2_ABSORB_QMMA_WARPS;  // warps per block of mla_absorb_query_mma, 16 columns each
 
 // Block (h, chunk, t), 256 threads: q_lat[t, h, chunk * 128 + 8g .. + 7]. Thread (g, s) sums the rows
 // n = s, s + 16, ... of W_k[h] for its 8 columns; the 16 partial sums of a column are added in s order
@@ -127,4 +130,65 @@ mla_absorb_output(T* __restrict__ out, const float* __restrict__ o, const T* __r
         row[v0] = from_float<T>(s0);
         if (v1 != v0) row[v1] = from_float<T>(s1);
     }
+}
+
+// Many tokens: the query on the tensor cores. Block (chunk, r, h) of QMMA_WARPS warps; warp w computes
+// q_lat[t, h, c0 .. c0 + 15], c0 = 16 (chunk QMMA_WARPS + w), for the tokens t0 .. t0 + 8 NT - 1 (t0 = 8 NT r)
+// as q_lat^T = W_k[h]^T q_nope^T with mma.m16n8k16: 16 columns of W_k are the M side, the tokens (groups
+// of 8) the N side, NOPE the K side, the weights read once per 8 NT tokens. An A-fragment register holds
+// two k (rows of W_k) of one column, but W_k keeps a row's columns side by side: thread (g, q) loads the
+// column pair c0 + 2g, c0 + 2g + 1 of rows k and k + 1 (two 4-byte loads) and swaps halves with
+// __byte_perm, which gives column c0 + 2g at k, k + 1 (fragment row g) and column c0 + 2g + 1 (fragment
+// row g + 8): the M side relabelled, the output written back to match. The B fragment is token g's row of
+// q_nope at k = 2q, 2q + 1 and 2q + 8, 2q + 9, a 4-byte load each. fp32 accumulation, rounded once.
+// Blocks (0, r, h) also copy q_pe[t, h] beside q_lat. The host checks NOPE % 16 == 0, C % (16 QMMA_WARPS)
+// == 0, even R and strides, and 4-byte aligned tensors.
+template <typename T, int NT>
+__global__ void __launch_bounds__(QMMA_WARPS * 32)
+mla_absorb_query_mma(T* __restrict__ query, const T* __restrict__ q_nope, const T* __restrict__ q_pe,
+                     const T* __restrict__ w_k, int tokens, int NOPE, int C, int R, long long nope_t,
+                     long long nope_h, long long pe_t, long long pe_h, long long w_head_stride) {
+    wait_for_prior_grids();
+    const int h = blockIdx.z, H = gridDim.z, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int c0 = (blockIdx.x * QMMA_WARPS + (threadIdx.x >> 5)) * 16, t0 = blockIdx.y * 8 * NT;
+    const T* W = w_k + h * w_head_stride + c0 + 2 * g;  // the column pair of row 0
+    const T* xr[NT];  // this thread's q_nope rows: tokens t0 + 8 nt + g (nullptr past the last: zeros)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int t = t0 + 8 * nt + g;
+        xr[nt] = t < tokens ? q_nope + t * nope_t + h * nope_h : nullptr;
+    }
+    float acc[NT][4] = {};
+#pragma unroll 4
+    for (int k = 0; k < NOPE; k += 16) {
+        unsigned u[4], b[NT][2];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)  // rows k + 2q, k + 2q + 1, k + 2q + 8, k + 2q + 9
+            u[i] = *reinterpret_cast<const unsigned*>(W + (long long)(k + 2 * q + (i & 1) + 8 * (i >> 1)) * C);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+                b[nt][j] = xr[nt] ? *reinterpret_cast<const unsigned*>(xr[nt] + k + 2 * q + 8 * j) : 0u;
+        const unsigned a[4] = {__byte_perm(u[0], u[1], 0x5410), __byte_perm(u[0], u[1], 0x7632),
+                               __byte_perm(u[2], u[3], 0x5410), __byte_perm(u[2], u[3], 0x7632)};
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma16816<T>(acc[nt], a, b[nt][0], b[nt][1]);
+    }
+    // C fragment of group nt: c = 0, 1 are column c0 + 2g (fragment row g) of tokens t0 + 8 nt + 2q + c,
+    // c = 2, 3 column c0 + 2g + 1 of the same two tokens: a token's two columns are one 4-byte store.
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int t = t0 + 8 * nt + 2 * q + i;
+            if (t < tokens)
+                *reinterpret_cast<unsigned*>(query + ((long long)t * H + h) * (C + R) + c0 + 2 * g) =
+                    pack2<T>(acc[nt][i], acc[nt][2 + i]);
+        }
+    if (blockIdx.x == 0)  // q_pe beside q_lat: the attention kernel's query is ready
+        for (int i = threadIdx.x; i < 8 * NT * R; i += blockDim.x) {
+            const int t = t0 + i / R, r = i % R;
+            if (t < tokens) query[((long long)t * H + h) * (C + R) + C + r] = q_pe[t * pe_t + h * pe_h + r];
+        }
 }

@@ -67,6 +67,14 @@ template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi
     return *reinterpret_cast<unsigned*>(&v);
 }
 
+// Eight consecutive input values as one 16-byte vector of T (a B-fragment source of skinny_step): one load
+// of T, or two of fp32 rounded to T (round to nearest even, as a .to(T) copy would round them).
+template <typename T> __device__ __forceinline__ uint4 load8(const T* p) { return *reinterpret_cast<const uint4*>(p); }
+template <typename T> __device__ __forceinline__ uint4 load8(const float* p) {
+    const float4 lo = *reinterpret_cast<const float4*>(p), hi = *reinterpret_cast<const float4*>(p + 4);
+    return make_uint4(pack2<T>(lo.x, lo.y), pack2<T>(lo.z, lo.w), pack2<T>(hi.x, hi.y), pack2<T>(hi.z, hi.w));
+}
+
 // ---- skinny products: weights straight from memory into A fragments --------------------------------
 // One 64-wide k-step of out^T += W x^T for a warp's 16 weight rows (the mma's M side; NM matrices of
 // them sharing the inputs, e.g. an expert's gate and up rows) and NT groups of 8 tokens (its 8-wide N
@@ -79,9 +87,10 @@ template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi
 // relabelled: mma (j, half) takes k + 8j + 4 half + {0, 1, 2, 3} as its k = {2q, 2q+1, 2q+8, 2q+9} (the
 // layout above). A and B are relabelled alike, so every product is a weight times its own input, and a
 // token's sums run in the same order whatever NT. All loads of the step are issued before the first mma.
-template <typename T, int NM, int NT>
+// The input rows are T, or fp32 rounded to T as they are read (load8: the absorbed output's o, mla_absorb.py).
+template <typename T, int NM, int NT, typename X = T>
 __device__ __forceinline__ void skinny_step(float (&acc)[NM][NT][4], const T* const (&w_lo)[NM],
-                                            const T* const (&w_hi)[NM], const T* const (&xr)[NT], int k) {
+                                            const T* const (&w_hi)[NM], const X* const (&xr)[NT], int k) {
     uint4 lo[NM][2], hi[NM][2], b[NT][2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -92,7 +101,7 @@ __device__ __forceinline__ void skinny_step(float (&acc)[NM][NT][4], const T* co
         }
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
-            b[nt][j] = xr[nt] ? *reinterpret_cast<const uint4*>(xr[nt] + k + 8 * j) : make_uint4(0u, 0u, 0u, 0u);
+            b[nt][j] = xr[nt] ? load8<T>(xr[nt] + k + 8 * j) : make_uint4(0u, 0u, 0u, 0u);
     }
 #pragma unroll
     for (int j = 0; j < 2; ++j)

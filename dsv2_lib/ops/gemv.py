@@ -30,8 +30,9 @@ SKINNY_WARPS = 8  # warps per block of linear_skinny, splitting K between them
 SKINNY_GROUPS = (1, 2, 4)  # groups of 8 tokens per block compiled: 8, 16 or 32 tokens share a weight read
 GEMV_CU = kernels.declare("gemv.cu", [f"linear_gemv<{t}, {n}>" for t in ("__half", "__nv_bfloat16")
                                       for n in range(1, TOKENS_COMPILED + 1)], {"DSV2_GEMV_WARPS": WARPS})
-SKINNY_CU = kernels.declare("linear_skinny.cu", [f"linear_skinny<{t}, {g}>" for t in ("__half", "__nv_bfloat16")
-                                                 for g in SKINNY_GROUPS], {"DSV2_GEMV_SKINNY_WARPS": SKINNY_WARPS})
+SKINNY_CU = kernels.declare("linear_skinny.cu", [f"linear_skinny<{t}, {x}, {g}>" for t in ("__half", "__nv_bfloat16")
+                                                 for x in (t, "float") for g in SKINNY_GROUPS],
+                            {"DSV2_GEMV_SKINNY_WARPS": SKINNY_WARPS})
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, max_tokens: int = GEMV_MAX_TOKENS,
@@ -95,14 +96,23 @@ def _launch_gemv(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _launch_skinny(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``linear_skinny`` on checked rows ``[T, K]``: ``[T, N]``."""
-    (T, K), N = rows.shape, weight.shape[0]
-    groups = next((g for g in SKINNY_GROUPS if 8 * g >= T), SKINNY_GROUPS[-1])
-    out = torch.empty(T, N, dtype=rows.dtype, device=rows.device)
-    SKINNY_CU.launch(f"linear_skinny<{CUDA_TYPE[rows.dtype]}, {groups}>", rows.device,
-                     (N // 16, -(-T // (8 * groups))), (32 * SKINNY_WARPS,), y=kernels.ptr(out), x=kernels.ptr(rows),
-                     w=kernels.ptr(weight), tokens=np.int32(T), N=np.int32(N), K=np.int32(K),
-                     x_stride=np.int64(rows.stride(0)), y_stride=np.int64(out.stride(0)))
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=rows.dtype, device=rows.device)
+    _skinny_kernel(out[:, None], rows[:, None], weight[None])
     return out
+
+
+def _skinny_kernel(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """``out[t, h] = x[t, h] · weight[h]ᵀ`` by ``linear_skinny``, one product per head: ``x [T, h, K]`` (the
+    weight's dtype, or fp32 rounded to it as it is read), ``weight [h, N, K]``, ``out [T, h, N]``, strided
+    views the caller has checked (rows contiguous, strides multiples of 16 bytes' worth, K % 64 == 0,
+    N % 16 == 0). A dense projection is one head; MLA's absorbed output has one per attention head."""
+    (T, heads, K), N = x.shape, weight.shape[1]
+    groups = next((g for g in SKINNY_GROUPS if 8 * g >= T), SKINNY_GROUPS[-1])
+    SKINNY_CU.launch(f"linear_skinny<{CUDA_TYPE[weight.dtype]}, {CUDA_TYPE[x.dtype]}, {groups}>", x.device,
+                     (N // 16, -(-T // (8 * groups)), heads), (32 * SKINNY_WARPS,), y=kernels.ptr(out),
+                     x=kernels.ptr(x), w=kernels.ptr(weight), tokens=np.int32(T), N=np.int32(N), K=np.int32(K),
+                     x_stride=np.int64(x.stride(0)), y_stride=np.int64(out.stride(0)),
+                     x_head=np.int64(x.stride(1)), y_head=np.int64(out.stride(1)), w_head=np.int64(weight.stride(0)))
 
 
 def _kernel_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
