@@ -129,8 +129,14 @@ def _swapped_halves(x):  # silu(up) * gate
     return (torch.nn.functional.silu(x[..., i:].float()) * x[..., :i].float()).to(x.dtype)
 
 
-def _no_rope_part(q_nope, q_pe, w_k, dtype):  # the latent query alone, without q_pe
-    return torch.einsum("thn,hnc->thc", q_nope.to(dtype), w_k.to(dtype))
+def _chunks_merged_alike(query, cache, slots, lengths, scale, d_c):  # each chunk's softmax, averaged: no lse weights
+    outs = []
+    for b, (slot, n) in enumerate(zip(slots, lengths)):
+        rows = cache[slot, :n].float()
+        parts = [((query[b].float() @ rows[s:s + 64].T) * scale).softmax(-1) @ rows[s:s + 64, :d_c]
+                 for s in range(0, n, 64)]
+        outs.append(torch.stack(parts).mean(0) if parts else torch.zeros(query.shape[1], d_c))
+    return torch.stack(outs)
 
 
 def _reserves_one_row_too_many(num_blocks, block_size, running, prompt_len, max_tokens):  # forgets the -1
@@ -164,7 +170,7 @@ def _reads_every_expert(cfg, batch, context, bytes_per_value=2):  # all routed e
 
 PLANTED = {"decode_bytes": (_reads_every_expert, "expected"), "read_header": (_no_overlap_check, "must be refused"), "embedding": (_wrapping_embedding, "must be refused"),
            "mla_projections": (_latent_not_normalised, "the result[2]"), "online_attention": (_no_rescale, "expected"),
-           "silu_and_mul": (_swapped_halves, "expected"), "absorbed_query": (_no_rope_part, "shape"),
+           "silu_and_mul": (_swapped_halves, "expected"), "split_kv_decode": (_chunks_merged_alike, "expected"),
            "slot_mapping": (_ignores_the_table, "expected"), "prefix_hits": (_unchained_prefix, "expected"), "reserve_admits": (_reserves_one_row_too_many, "expected"),
            "rms_norm": (_no_weight, "the result"), "rope": (_neox_rope, "the NeoX pairing"),
            "route": (_softmax_after_topk, "the result[0]"), "moe_align": (_unpadded_align, "shape"),

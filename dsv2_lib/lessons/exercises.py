@@ -32,7 +32,7 @@ from dsv2_lib.core import safetensors_io
 from dsv2_lib.core.config import DEEPSEEK_V2_LITE, TINY
 from dsv2_lib.engine import block_manager, sampling
 from dsv2_lib.engine.sampling import SamplingParams
-from dsv2_lib.ops import activation, attention, embedding, mla_absorb, mla_decode, moe_routing, norm, rope
+from dsv2_lib.ops import activation, attention, embedding, mla_decode, moe_routing, norm, rope
 from dsv2_lib.tools import roofline
 
 __all__ = ["EXERCISES", "check", "grade", "swapped", "generate_with",
@@ -511,15 +511,18 @@ def _silu_cases() -> list[_Case]:
     return cases
 
 
-def _absorb_cases() -> list[_Case]:
+def _split_decode_cases() -> list[_Case]:
+    """fp32 entries with the tiny model's rows (latent 64 + rope 16) and V2-Lite's (512 + 64): one row, lengths
+    around a 32-row tile, several chunks, slots out of order, and an entry with no row (zeros, as the kernel
+    writes)."""
     cases = []
-    for i, (T, h, dtype) in enumerate([(1, 2, torch.float32), (3, 16, torch.bfloat16)]):
-        g = _gen(110 + i)
-        nope, r, c = TINY.qk_nope_head_dim, TINY.qk_rope_head_dim, TINY.kv_lora_rank
-        cases.append(_Case(f"{_n(T, 'token')}, {_n(h, 'head')}, q_nope {nope}, latent {c}, rope {r}, "
-                           f"{str(dtype).removeprefix('torch.')}",
-                           (torch.randn(T, h, nope, generator=g).to(dtype), torch.randn(T, h, r, generator=g).to(dtype),
-                            (torch.randn(h, nope, c, generator=g) / nope ** 0.5).to(dtype), dtype)))
+    for i, (h, c, r, lengths, slots) in enumerate([(4, 64, 16, [1], [0]), (4, 64, 16, [31, 32, 33], [2, 0, 1]),
+                                                   (16, 512, 64, [1000], [0]), (2, 64, 16, [0, 70], [1, 0])]):
+        g = _gen(120 + i)
+        cache = torch.randn(max(slots) + 1, max(max(lengths), 1), c + r, generator=g)
+        query = torch.randn(len(lengths), h, c + r, generator=g) * 0.2
+        cases.append(_Case(f"{_n(len(lengths), 'entry', 'entries')} of {lengths} rows (slots {slots}), {_n(h, 'head')}, "
+                           f"rows of {c} + {r}", (query, cache, slots, lengths, 0.1147, c)))
     return cases
 
 
@@ -618,8 +621,9 @@ EXERCISES: dict[str, _Exercise] = {e.name: e for e in [
     _Exercise("silu_and_mul", "07", activation.silu_and_mul_reference, _silu_cases,
               bits16="rounded step by step? Compute in fp32 and round once at the end",
               engine="dsv2_lib.ops.activation:silu_and_mul_reference"),
-    _Exercise("absorbed_query", "10", mla_absorb.absorbed_query_reference, _absorb_cases,
-              engine="dsv2_lib.ops.mla_absorb:absorbed_query_reference"),
+    _Exercise("split_kv_decode", "10", mla_decode.mla_decode_reference, _split_decode_cases,
+              fp32_tolerance=(1e-5, 1e-5),  # softmax sums over up to 1,000 rows, in another order
+              engine="dsv2_lib.ops.mla_decode:mla_decode_reference"),
     _Exercise("reserve_admits", "11", reserve_admits_reference, _admit_cases),
     _Exercise("slot_mapping", "12", block_manager.slot_mapping, _slot_cases, exact=True,
               engine="dsv2_lib.engine.block_manager:slot_mapping"),
