@@ -21,6 +21,17 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1], else a clear error naming the value."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {value}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an int >= 1, else a clear error naming the value."""
     try:
@@ -54,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="continuous batching: admit a request whenever blocks allow (the default)")
     mode.add_argument("--static", dest="scheduling", action="store_const", const="static",
                       help="static batching: admit a group, wait until all of it finishes")
+    gen.add_argument("--max-model-len", type=positive_int, default=None,
+                     help="most tokens of prompt + output per request (default: the model's context)")
     gen.add_argument("--kv-cache-mib", type=float, default=None,
                      help="KV cache size in MiB (default: room for every request at once)")
     gen.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, metavar="N",
@@ -117,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed)
         llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_mib=args.kv_cache_mib,
-                  scheduling=args.scheduling or "continuous", max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=args.max_model_len, scheduling=args.scheduling or "continuous", max_num_batched_tokens=args.max_num_batched_tokens,
                   cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling, tuning=tuning_of(args))
         if args.stream:
             return stream_one(llm, args.prompts[0], params, args.stats)
@@ -172,8 +185,12 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--max-model-len", type=positive_int, default=None,
                    help="most tokens of prompt + output per request (default: the model's context)")
     s.add_argument("--kv-cache-mib", type=float, default=None,
-                   help="KV cache size in MiB (default on CUDA: what is left of 90%% of the GPU's memory after the "
-                        "weights and the activations' reserve, at most what is free; 256 MiB on a CPU)")
+                   help="KV cache size in MiB (default on CUDA: what is left of --gpu-memory-utilization of the "
+                        "GPU's memory after the weights and the activations' reserve, at most what is free; "
+                        "256 MiB on a CPU)")
+    s.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
+                   help="on CUDA without --kv-cache-mib, the fraction of the GPU's memory the engine may use in all "
+                        "(default: 0.9)")
     s.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, metavar="N",
                    help="most tokens one step computes: decodes first, then prompt chunks (chunked prefill); "
                         "the activations' reserve grows with it")
@@ -200,7 +217,7 @@ def serve_command(args) -> int:
         return 2
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     if args.kv_cache_mib is None and cuda:
-        size = {"gpu_memory_utilization": 0.9}  # one pool for every request, whenever it comes
+        size = {"gpu_memory_utilization": args.gpu_memory_utilization}  # one pool for every request, whenever it comes
     else:
         size = {"kv_cache_mib": 256.0 if args.kv_cache_mib is None else args.kv_cache_mib}
     try:

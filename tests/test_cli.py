@@ -42,6 +42,15 @@ def test_scheduling_flags_and_stats():
     assert r.returncode == 2 and "not allowed with" in r.stderr
 
 
+def test_max_model_len_caps_a_request_and_refuses_a_prompt_that_cannot_fit():
+    """Prompt plus output within --max-model-len: the output stops there (finish_reason=length); a prompt
+    with no room for one generated token is a one-line error."""
+    r = run("generate", "--device", "cpu", "--max-model-len", "8", "--max-tokens", "40", "hi")
+    assert r.returncode == 0 and "[6 tokens, finish_reason=length]" in r.stderr, r.stderr
+    r = run("generate", "--device", "cpu", "--max-model-len", "4", "To be or not to be that is the question")
+    assert r.returncode == 2 and "the context holds 4" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_a_request_larger_than_the_cache_is_a_clear_error():
     r = run("generate", "--device", "cpu", "--kv-cache-mib", "0.03", "--max-tokens", "40", "hi")
     assert r.returncode == 2 and "can never run" in r.stderr and "Traceback" not in r.stderr
@@ -85,6 +94,7 @@ def test_bench_refuses_what_it_cannot_run_before_writing_anything(tmp_path):
     (["generate", "--model", "/nonexistent", "--device", "cpu", "hi"], "not an embedded model"),
     (["generate", "--model", "tiny", "--device", "cpu", "--temperature", "nan", "hi"], "temperature"),
     (["bench", "--model", "/nonexistent", "--device", "cpu"], "model '/nonexistent': not an embedded model"),
+    (["serve", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization: must be a number in (0, 1], got 1.5"),
 ])
 def test_user_errors_are_one_line_without_a_traceback(argv, want):
     r = run(*argv)

@@ -60,6 +60,27 @@ def test_backend_choice(monkeypatch):
         kernels.use_kernels(cpu)
 
 
+def test_an_older_gpu_takes_the_references(monkeypatch):
+    """Below compute capability 8.0 (a T4, a V100) ``auto`` sends a CUDA tensor to the PyTorch reference and
+    ``cuda`` refuses with the capability named: the kernels' bf16 mma.sync and cp.async need Ampere."""
+    class FakeCudaTensor:  # what use_kernels reads of a tensor
+        is_cuda, device = True, torch.device("cuda:0")
+
+    monkeypatch.setattr(kernels, "cupy_works", lambda: True)
+    for capability, runs in (((7, 5), False), ((8, 0), True), ((9, 0), True)):
+        kernels._capability.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, c=capability: c)
+        monkeypatch.setenv("DSV2_BACKEND", "auto")
+        assert kernels.use_kernels(FakeCudaTensor()) is runs, capability
+        monkeypatch.setenv("DSV2_BACKEND", "cuda")
+        if runs:
+            assert kernels.use_kernels(FakeCudaTensor())
+        else:
+            with pytest.raises(RuntimeError, match="cuda:0 has compute capability 7.5; the kernels need 8.0 or newer"):
+                kernels.use_kernels(FakeCudaTensor())
+    kernels._capability.cache_clear()
+
+
 def test_linear_is_f_linear_on_the_cpu():
     """Off the GPU the dense GEMV never applies: Linear and gemv.linear are F.linear."""
     from dsv2_lib.model.layers import Linear

@@ -277,6 +277,20 @@ def cupy_works() -> bool:
         return False
 
 
+MIN_CAPABILITY = (8, 0)  # the kernels use bf16 mma.sync and cp.async: Ampere (sm_80) and newer
+
+
+def gpu_supported(index: int) -> bool:
+    """CUDA device ``index`` can run the kernels: compute capability :data:`MIN_CAPABILITY` or newer. An older
+    GPU (a T4, a V100) runs the PyTorch references instead."""
+    return _capability(index) >= MIN_CAPABILITY
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def use_kernels(x: torch.Tensor) -> bool:
     """Whether an op on ``x`` goes to its CUDA kernel (else to its PyTorch reference)."""
     choice = backend()
@@ -288,8 +302,14 @@ def use_kernels(x: torch.Tensor) -> bool:
                 f"DSV2_BACKEND=cuda but the tensor is on {x.device} or CuPy cannot use a GPU; "
                 "unset it (auto) or use DSV2_BACKEND=torch"
             )
+        if not gpu_supported(x.device.index):
+            major, minor = _capability(x.device.index)
+            raise RuntimeError(
+                f"DSV2_BACKEND=cuda but {x.device} has compute capability {major}.{minor}; the kernels need "
+                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer: unset it (auto) or use DSV2_BACKEND=torch"
+            )
         return True
-    return x.is_cuda and cupy_works()
+    return x.is_cuda and cupy_works() and gpu_supported(x.device.index)
 
 
 # ---- checks and launch -----------------------------------------------------------------------------

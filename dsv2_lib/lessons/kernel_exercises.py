@@ -239,11 +239,13 @@ def _first_error(log: str, lines_added: int = 0) -> str:
 def grade_kernel(name: str, source: str) -> tuple[bool | None, str]:
     """``(passed, one line)``; ``passed`` is None when only the compile check could run (no GPU)."""
     ex = _exercise(name)
-    if not torch.cuda.is_available() or not kernels.cupy_works():
+    gpu = torch.cuda.is_available() and kernels.cupy_works() and kernels.gpu_supported(torch.cuda.current_device())
+    if not gpu:
         try:
             log = nvcc_check(source)
         except FileNotFoundError:
-            return None, f"· {name}: needs a CUDA GPU (and CuPy) to run; nvcc is not here to compile-check it either"
+            return None, (f"· {name}: needs a CUDA GPU of compute capability 8.0 or newer (and CuPy) to run; nvcc "
+                          "is not here to compile-check it either")
         if log:
             return False, f"✗ {name}: does not compile: {log}"
         return None, f"· {name}: compiles for sm_90 (nvcc); running it against the reference needs a CUDA GPU"

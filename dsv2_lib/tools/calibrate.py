@@ -296,8 +296,10 @@ def calibrate(device: str | torch.device = "cuda") -> tuple[Tuning, dict]:
     from dsv2_lib.core import kernels
 
     device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available() or not kernels.cupy_works():
-        raise RuntimeError("calibrate times the engine's CUDA kernels: it needs a CUDA GPU with CuPy working")
+    if device.type != "cuda" or not torch.cuda.is_available() or not kernels.cupy_works() \
+            or not kernels.gpu_supported(device.index if device.index is not None else torch.cuda.current_device()):
+        raise RuntimeError("calibrate times the engine's CUDA kernels: it needs a CUDA GPU of compute capability "
+                           "8.0 or newer with CuPy working")
     with torch.no_grad():
         measured = {"moe": measure_moe(device), "attention": measure_attention(device), "gemv": measure_gemv(device),
                     "skinny": measure_skinny(device), "router": measure_router(device)}
