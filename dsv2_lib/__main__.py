@@ -130,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed)
         llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_mib=args.kv_cache_mib,
-                  max_model_len=args.max_model_len, scheduling=args.scheduling or "continuous", max_num_batched_tokens=args.max_num_batched_tokens,
-                  cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling, tuning=tuning_of(args))
+                  max_model_len=args.max_model_len, scheduling=args.scheduling or "continuous",
+                  max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=args.cuda_graphs,
+                  async_scheduling=args.async_scheduling, tuning=tuning_of(args))
         if args.stream:
             return stream_one(llm, args.prompts[0], params, args.stats)
         outputs = llm.generate(list(args.prompts), params)
@@ -217,7 +218,7 @@ def serve_command(args) -> int:
         return 2
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     if args.kv_cache_mib is None and cuda:
-        size = {"gpu_memory_utilization": args.gpu_memory_utilization}  # one pool for every request, whenever it comes
+        size = {"gpu_memory_utilization": args.gpu_memory_utilization}  # one pool for every request
     else:
         size = {"kv_cache_mib": 256.0 if args.kv_cache_mib is None else args.kv_cache_mib}
     try:
