@@ -141,13 +141,13 @@ mla_absorb_output(T* __restrict__ out, const float* __restrict__ o, const T* __r
 // __byte_perm, which gives column c0 + 2g at k, k + 1 (fragment row g) and column c0 + 2g + 1 (fragment
 // row g + 8): the M side relabelled, the output written back to match. The B fragment is token g's row of
 // q_nope at k = 2q, 2q + 1 and 2q + 8, 2q + 9, a 4-byte load each. fp32 accumulation, rounded once.
-// Blocks (0, r, h) also copy q_pe[t, h] beside q_lat. The host checks NOPE % 16 == 0, C % (16 QMMA_WARPS)
+// The blocks also copy q_pe[t, h] beside q_lat. The host checks NOPE % 16 == 0, C % (16 QMMA_WARPS)
 // == 0, even R and strides, and 4-byte aligned tensors.
 template <typename T, int NT>
 __global__ void __launch_bounds__(QMMA_WARPS * 32)
 mla_absorb_query_mma(T* __restrict__ query, const T* __restrict__ q_nope, const T* __restrict__ q_pe,
                      const T* __restrict__ w_k, int tokens, int NOPE, int C, int R, long long nope_t,
-                     long long nope_h, long long pe_t, long long pe_h, long long w_head_stride) {
+                     long long nope_h, long long pe_t, long long pe_h, long long w_head_stride, int vec8) {
     wait_for_prior_grids();
     const int h = blockIdx.z, H = gridDim.z, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int c0 = (blockIdx.x * QMMA_WARPS + (threadIdx.x >> 5)) * 16, t0 = blockIdx.y * 8 * NT;
@@ -186,9 +186,19 @@ mla_absorb_query_mma(T* __restrict__ query, const T* __restrict__ q_nope, const 
                 *reinterpret_cast<unsigned*>(query + ((long long)t * H + h) * (C + R) + c0 + 2 * g) =
                     pack2<T>(acc[nt][i], acc[nt][2 + i]);
         }
-    if (blockIdx.x == 0)  // q_pe beside q_lat: the attention kernel's query is ready
-        for (int i = threadIdx.x; i < 8 * NT * R; i += blockDim.x) {
-            const int t = t0 + i / R, r = i % R;
-            if (t < tokens) query[((long long)t * H + h) * (C + R) + C + r] = q_pe[t * pe_t + h * pe_h + r];
-        }
+    // q_pe beside q_lat, so that the attention kernel's query is ready: the block group's 8 NT tokens'
+    // R values, shared out over the gridDim.x blocks of the group, 16-byte vectors where R, the strides
+    // and the addresses allow (vec8: checked by the host), else one value at a time. One pass, no loop
+    // of dependent loads: a serial copy would cost more than the product.
+    const int per_token = vec8 ? R / 8 : R, n = 8 * NT * per_token;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const int t = t0 + i / per_token, r = (i % per_token) * (vec8 ? 8 : 1);
+        if (t >= tokens) continue;
+        T* dst = query + ((long long)t * H + h) * (C + R) + C + r;
+        const T* src = q_pe + t * pe_t + h * pe_h + r;
+        if (vec8)
+            store16(dst, load16(src));
+        else
+            *dst = *src;
+    }
 }

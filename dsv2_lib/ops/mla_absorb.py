@@ -76,9 +76,10 @@ def absorbed_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_k: torch.Tensor, 
                              (QUERY_THREADS,), **args)
     else:  # "mma": blocks of 16 QMMA_WARPS columns and 8, 16 or 32 tokens (more blocks beyond 32)
         groups = next((g for g in SKINNY_GROUPS if 8 * g >= t), SKINNY_GROUPS[-1])
+        vec8 = r % 8 == 0 and q_pe.stride(0) % 8 == 0 and q_pe.stride(1) % 8 == 0 and kernels.aligned16(q_pe, query)
         MLA_ABSORB_CU.launch(f"mla_absorb_query_mma<{CUDA_TYPE[dtype]}, {groups}>", q_nope.device,
                              (c // (16 * QMMA_WARPS), -(-t // (8 * groups)), h), (32 * QMMA_WARPS,),
-                             tokens=np.int32(t), **args)
+                             tokens=np.int32(t), vec8=np.int32(vec8), **args)
     return query
 
 
